@@ -1,0 +1,5 @@
+"""`python -m modelexpress` runs the CLI."""
+
+from modelexpress.cli import main
+
+main()

@@ -1,0 +1,177 @@
+"""The one error tree of modelexpress.
+
+Every exception the package raises on purpose derives from :class:`MxError`.
+Foreign exceptions (NIXL statuses, cuda-python results, OS errors, HTTP errors)
+are translated at the adapter boundary with ``raise OurError(...) from exc`` so
+callers catch our names only.
+
+::
+
+    MxError
+    ├── ConfigError (ValueError)           bad argument or setting; says the allowed values
+    ├── DependencyError (ImportError)      an optional extra is missing; says what to install
+    ├── MxTimeoutError (TimeoutError)      a bounded wait ran out; says what it waited for
+    ├── ArenaError                         VMM arena (modelexpress.vmm)
+    │   ├── ArenaClosedError               use after close()
+    │   ├── ArenaExhaustedError            the reserved VA range is used up
+    │   ├── InvalidFreeError               free of an unknown or already freed address
+    │   └── BackendError                   a driver / OS call failed (rolled back)
+    ├── TransferError                      NIXL data plane (modelexpress.transfer)
+    │   ├── RegistrationError              memory registration failed
+    │   ├── PeerError                      a peer is unreachable, vanished or refused
+    │   ├── TransferTimeoutError (+MxTimeoutError)
+    │   ├── TransferCancelledError         a stop was honoured
+    │   ├── ManifestMismatchError          names/dtypes/shapes differ; raised before any byte moves
+    │   ├── IntegrityError                 a digest did not match; names the tensor
+    │   └── TransportError                 the transport is wrong or far below its expected rate
+    ├── ControlPlaneError                  server / client (modelexpress.server, modelexpress.client)
+    │   ├── NotFoundError
+    │   ├── ConflictError                  illegal state transition, concurrent update lost
+    │   ├── AuthError
+    │   ├── ValidationError                the server rejected the request body
+    │   └── ServerUnavailableError         connection refused / retries exhausted
+    ├── StoreError                         a store backend (SQLite, Redis) failed
+    ├── ShmArenaError                      shared-memory tensor arena (modelexpress.shm_arena)
+    │   └── ShmSpaceError                  /dev/shm too small; says how much is free and needed
+    └── NoSourceError                      no READY source could serve a pull
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MxError",
+    "ConfigError",
+    "DependencyError",
+    "MxTimeoutError",
+    "ArenaError",
+    "ArenaClosedError",
+    "ArenaExhaustedError",
+    "InvalidFreeError",
+    "BackendError",
+    "TransferError",
+    "RegistrationError",
+    "PeerError",
+    "TransferTimeoutError",
+    "TransferCancelledError",
+    "ManifestMismatchError",
+    "IntegrityError",
+    "TransportError",
+    "ControlPlaneError",
+    "NotFoundError",
+    "ConflictError",
+    "AuthError",
+    "ValidationError",
+    "ServerUnavailableError",
+    "StoreError",
+    "ShmArenaError",
+    "ShmSpaceError",
+    "NoSourceError",
+]
+
+
+class MxError(Exception):
+    """Base class of every error modelexpress raises on purpose."""
+
+
+class ConfigError(MxError, ValueError):
+    """A bad argument or setting. The message states the allowed values."""
+
+
+class DependencyError(MxError, ImportError):
+    """An optional dependency is missing. The message names the extra to install."""
+
+
+class MxTimeoutError(MxError, TimeoutError):
+    """A bounded wait ran out. The message says what was awaited and for how long."""
+
+
+class ArenaError(MxError):
+    """VMM arena failure."""
+
+
+class ArenaClosedError(ArenaError):
+    """The arena was used after ``close()``."""
+
+
+class ArenaExhaustedError(ArenaError):
+    """The reserved virtual address range has no room for the request."""
+
+
+class InvalidFreeError(ArenaError):
+    """``free`` of an address the arena does not hold (unknown or already freed)."""
+
+
+class BackendError(ArenaError):
+    """A driver or OS call of a VMM backend failed; partial work was rolled back."""
+
+
+class TransferError(MxError):
+    """NIXL data-plane failure."""
+
+
+class RegistrationError(TransferError):
+    """Memory registration with NIXL failed."""
+
+
+class PeerError(TransferError):
+    """A peer is unreachable, vanished mid-transfer, or refused the request."""
+
+
+class TransferTimeoutError(TransferError, MxTimeoutError):
+    """A transfer did not complete within its deadline."""
+
+
+class TransferCancelledError(TransferError):
+    """The transfer was stopped on request at a chunk boundary."""
+
+
+class ManifestMismatchError(TransferError):
+    """Source and target tensors differ (names, dtypes, shapes, sizes)."""
+
+
+class IntegrityError(TransferError):
+    """A received tensor's digest differs from the source's."""
+
+
+class TransportError(TransferError):
+    """The transport in use is wrong for the memory, or far below its expected rate."""
+
+
+class ControlPlaneError(MxError):
+    """Control-plane (server or client) failure."""
+
+
+class NotFoundError(ControlPlaneError):
+    """The requested source or transfer does not exist."""
+
+
+class ConflictError(ControlPlaneError):
+    """An illegal state transition, or a concurrent update that lost."""
+
+
+class AuthError(ControlPlaneError):
+    """Missing or wrong bearer token."""
+
+
+class ValidationError(ControlPlaneError):
+    """The server rejected the request body."""
+
+
+class ServerUnavailableError(ControlPlaneError):
+    """The server could not be reached (after retries)."""
+
+
+class StoreError(MxError):
+    """A store backend (SQLite or Redis) failed."""
+
+
+class ShmArenaError(MxError):
+    """Shared-memory tensor arena failure."""
+
+
+class ShmSpaceError(ShmArenaError):
+    """``/dev/shm`` has too little free space for the requested arena."""
+
+
+class NoSourceError(MxError):
+    """No READY source could serve a pull; the message lists why each was skipped."""

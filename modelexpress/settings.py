@@ -1,0 +1,169 @@
+"""One typed settings class, read from the environment with the ``MX_`` prefix.
+
+Library classes take explicit arguments; only entry points (the CLI, the vLLM
+plugin and loader, the server) build :class:`MxSettings` and pass values down.
+
+The environment table in ``docs/DEPLOYMENT.md`` is generated from the field
+descriptions here (``python -m modelexpress.settings --write-docs``) and a test
+keeps the two in sync. Each field's ``section`` groups it in that table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["MxSettings", "env_table_markdown", "write_env_table"]
+
+_TIB = 1 << 40
+_MIB = 1 << 20
+
+
+def _field(default: Any, section: str, description: str, **kw: Any) -> Any:
+    return Field(default, description=description,
+                 json_schema_extra={"section": section}, **kw)
+
+
+class MxSettings(BaseSettings):
+    """All modelexpress settings. Environment variables are ``MX_`` + the field name in capitals."""
+
+    model_config = SettingsConfigDict(env_prefix="MX_", extra="ignore",
+                                      validate_default=True)
+
+    # --- general -------------------------------------------------------------
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _field(
+        "INFO", "general", "Log level of the CLI, server and agent entry points.")
+
+    # --- VMM arena -----------------------------------------------------------
+    vmm_arena: bool = _field(
+        False, "vmm",
+        "Request the CUDA VMM arena around weight loads (a request: falls back to a "
+        "normal load with one warning when the C extension, CUDA or VMM support is missing).")
+    vmm_arena_bytes: int = _field(
+        16 * _TIB, "vmm",
+        "Virtual address range the VMM arena reserves (no physical cost).", gt=0)
+
+    # --- NIXL data plane -----------------------------------------------------
+    arena_single_mr: bool = _field(
+        False, "transfer",
+        "Force one NIXL region over the whole arena even where the transport cannot "
+        "serve a multi-handle range. Only safe on dmabuf/InfiniBand, never on cuda_ipc.")
+    nixl_backend: str = _field(
+        "UCX", "transfer", "NIXL backend plugin used for transfers.")
+    transfer_timeout_s: float = _field(
+        600.0, "transfer", "Deadline for one whole transfer, in seconds.", gt=0)
+    transfer_chunk_bytes: int = _field(
+        1 << 30, "transfer",
+        "Bytes per READ chunk: progress is reported and a stop honoured between chunks.",
+        gt=0)
+    verify_digests: bool = _field(
+        True, "transfer", "Check every received tensor's digest against the source manifest.")
+    refuse_slow_transport: bool = _field(
+        False, "transfer",
+        "Fail a transfer whose rate is far below its transport's expected floor "
+        "(e.g. VMM memory silently falling back to TCP) instead of only warning.")
+
+    # --- control plane -------------------------------------------------------
+    server_url: str = _field(
+        "http://127.0.0.1:8001", "server", "Control-plane URL that clients and workers use.")
+    server_token: SecretStr | None = _field(
+        None, "server",
+        "Bearer token. When set on the server, every route except health needs it; "
+        "clients send it.")
+    server_host: str = _field("127.0.0.1", "server", "Address `modelexpress serve` binds.")
+    server_port: int = _field(8001, "server", "Port `modelexpress serve` binds.", ge=0, le=65535)
+    store: str = _field(
+        "sqlite:///modelexpress.db", "server",
+        "Server store: sqlite:///PATH (default, one replica) or redis://HOST:PORT/DB "
+        "(several replicas).")
+    heartbeat_interval_s: float = _field(
+        5.0, "server", "How often a source sends a heartbeat.", gt=0)
+    stale_after_s: float = _field(
+        30.0, "server", "A source that sent no heartbeat for this long is STALE.", gt=0)
+    gc_after_s: float = _field(
+        3600.0, "server", "STALE sources and finished transfers older than this are deleted.",
+        gt=0)
+    client_timeout_s: float = _field(
+        10.0, "server", "Timeout of one HTTP request from the client.", gt=0)
+    client_retries: int = _field(
+        3, "server", "Retries of an idempotent client request on connection errors.", ge=0)
+
+    # --- P2P serving ---------------------------------------------------------
+    source_policy: Literal["random", "spread"] = _field(
+        "random", "p2p",
+        "How a target picks among READY sources: random, or spread (least busy first).")
+    serve_after_pull: bool = _field(
+        True, "p2p", "A target that finished a pull publishes itself as a source (fan-out).")
+    max_source_attempts: int = _field(
+        3, "p2p", "How many sources a pull tries before giving up.", ge=1)
+
+    # --- shared-memory tensor arena -----------------------------------------
+    shm_tensor_arena: bool = _field(
+        False, "shm",
+        "Route large CPU tensors in vLLM's MessageQueue through the shared-memory "
+        "tensor arena (one copy for all local readers, pinned H2D).")
+    shm_arena_bytes: int = _field(
+        2048 * _MIB, "shm", "Size of each shared-memory tensor arena in /dev/shm.", gt=0)
+    shm_min_tensor_bytes: int = _field(
+        8 * _MIB, "shm", "Smaller tensors take the normal path.", gt=0)
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: str) -> str:
+        if not value.startswith(("sqlite:///", "redis://", "rediss://")):
+            raise ValueError(
+                f"store must start with sqlite:/// or redis:// (got {value!r})")
+        return value
+
+
+def env_table_markdown() -> str:
+    """Render the environment-variable table that docs/DEPLOYMENT.md embeds."""
+    rows = ["| Variable | Default | Section | Meaning |", "| --- | --- | --- | --- |"]
+    for name, info in MxSettings.model_fields.items():
+        extra = info.json_schema_extra or {}
+        section = extra.get("section", "") if isinstance(extra, dict) else ""
+        default = info.default
+        shown = "unset" if default is None else (
+            str(default).lower() if isinstance(default, bool) else str(default))
+        rows.append(f"| `MX_{name.upper()}` | `{shown}` | {section} | {info.description} |")
+    return "\n".join(rows) + "\n"
+
+
+_START = "<!-- env-table:start (generated by python -m modelexpress.settings --write-docs) -->"
+_END = "<!-- env-table:end -->"
+
+
+def write_env_table(path: pathlib.Path, check: bool = False) -> bool:
+    """Replace the table between the markers in ``path``.
+
+    Returns True when the file already matched. With ``check`` nothing is written.
+    """
+    text = path.read_text()
+    head, sep, rest = text.partition(_START)
+    if not sep or _END not in rest:
+        raise ValueError(f"{path} lacks the env-table markers {_START!r} / {_END!r}")
+    _, _, tail = rest.partition(_END)
+    new = f"{head}{_START}\n{env_table_markdown()}{_END}{tail}"
+    if not check and new != text:
+        path.write_text(new)
+    return new == text
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite the env table in docs/DEPLOYMENT.md")
+    args = parser.parse_args()
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "DEPLOYMENT.md"
+    if args.write_docs:
+        write_env_table(doc)
+    else:
+        print(env_table_markdown())
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,3 @@
+"""modelexpress.server: the control plane (FastAPI + uvicorn), imported as ``modelexpress.server``."""
+
+__all__: list[str] = []

@@ -1,0 +1,46 @@
+"""Suite-wide markers: `gpu`, `nixl`, `vllm`, `redis` skip from availability flags.
+
+A skip is not a pass. CI (and `./dev test`) sets ``MX_REQUIRE_DEPS=1`` so that a
+missing nixl, vllm or redis-server *fails* the marked tests instead of skipping
+them; only `gpu` tests skip there, because CI machines have no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+
+import pytest
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+    return bool(torch.cuda.is_available())
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+_REASONS = {
+    "gpu": (_cuda_available, "no CUDA device (CI machines have none; run on the GPU machine)"),
+    "nixl": (lambda: _has("nixl"), "nixl is not installed (pip install 'modelexpress[nixl]')"),
+    "vllm": (lambda: _has("vllm"), "vllm is not installed (see scripts/dev)"),
+    "redis": (lambda: shutil.which("redis-server") is not None and _has("redis"),
+              "redis-server (Debian package) or the redis client is missing"),
+}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    require = os.environ.get("MX_REQUIRE_DEPS") == "1"
+    for marker, (probe, reason) in _REASONS.items():
+        if item.get_closest_marker(marker) is None or probe():
+            continue
+        if require and marker != "gpu":
+            pytest.fail(f"MX_REQUIRE_DEPS=1 but {reason}", pytrace=False)
+        pytest.skip(reason)

@@ -1,0 +1,66 @@
+"""Package-level contracts: light import, one namespace, settings docs in sync."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from modelexpress import errors
+from modelexpress.settings import MxSettings, write_env_table
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "nixl", "fastapi", "vllm", "uvicorn", "redis")
+
+
+def test_import_modelexpress_is_light() -> None:
+    code = ("import json, sys, modelexpress, modelexpress.errors, modelexpress.settings;"
+            "print(json.dumps(sorted(m for m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    loaded = set(json.loads(out))
+    assert not {m for m in loaded if m.split(".")[0] in HEAVY}
+
+
+def test_mapped_packages_import_under_one_namespace() -> None:
+    import modelexpress.engines.vllm
+    import modelexpress.server
+    assert pathlib.Path(modelexpress.server.__file__).parent == ROOT / "server"
+    assert pathlib.Path(modelexpress.engines.vllm.__file__).parent == ROOT / "engines" / "vllm"
+
+
+def test_every_error_derives_from_mxerror() -> None:
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.MxError), name
+        assert name in (errors.__doc__ or ""), f"{name} missing from the tree in the docstring"
+
+
+def test_deployment_env_table_matches_settings() -> None:
+    doc = ROOT / "docs" / "DEPLOYMENT.md"
+    assert write_env_table(doc, check=True), (
+        "docs/DEPLOYMENT.md env table is stale: run python -m modelexpress.settings --write-docs")
+
+
+def test_settings_read_env_and_validate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MX_VMM_ARENA", "1")
+    monkeypatch.setenv("MX_SERVER_TOKEN", "s3cret")
+    settings = MxSettings()
+    assert settings.vmm_arena is True
+    assert settings.server_token is not None
+    assert settings.server_token.get_secret_value() == "s3cret"
+    monkeypatch.setenv("MX_STORE", "postgres://x")
+    with pytest.raises(Exception, match="sqlite:///"):
+        MxSettings()
+
+
+def test_doctor_runs_and_reports(tmp_path: pathlib.Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "modelexpress", "doctor", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == (0 if report["healthy"] else 1)
+    names = {c["name"] for c in report["checks"]}
+    assert {"python", "/dev/shm"} <= names
