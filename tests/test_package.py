@@ -64,3 +64,16 @@ def test_doctor_runs_and_reports(tmp_path: pathlib.Path) -> None:
     assert proc.returncode == (0 if report["healthy"] else 1)
     names = {c["name"] for c in report["checks"]}
     assert {"python", "/dev/shm"} <= names
+
+
+def test_identity_is_content_addressed_and_versionless() -> None:
+    from modelexpress.identity import ModelIdentity
+
+    a = ModelIdentity(model="m", tp_size=2, rank=1, extra=(("b", "2"), ("a", "1")))
+    b = ModelIdentity(model="m", tp_size=2, rank=1, extra=(("a", "1"), ("b", "2")))
+    assert a.id == b.id and len(a.id) == 32
+    assert ModelIdentity.from_dict(a.to_dict()) == a
+    assert "version" not in json.dumps(a.canonical())
+    assert ModelIdentity(model="m", tp_size=2, rank=0).id != a.id
+    with pytest.raises(errors.ConfigError, match="rank"):
+        ModelIdentity(model="m", tp_size=2, rank=2)
