@@ -87,6 +87,9 @@ class MxSettings(BaseSettings):
     gc_after_s: float = _field(
         3600.0, "server", "STALE sources and finished transfers older than this are deleted.",
         gt=0)
+    server_max_manifest_bytes: int = _field(
+        16 * _MIB, "server",
+        "Largest source manifest (compact JSON) the server accepts; larger is a 413.", gt=0)
     client_timeout_s: float = _field(
         10.0, "server", "Timeout of one HTTP request from the client.", gt=0)
     client_retries: int = _field(
