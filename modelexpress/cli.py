@@ -48,6 +48,23 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
     raise typer.Exit(0 if healthy else 1)
 
 
+@app.command()
+def serve(
+    host: str = typer.Option(None, "--host", help="bind address (default MX_SERVER_HOST)"),
+    port: int = typer.Option(None, "--port", help="bind port (default MX_SERVER_PORT)"),
+    store: str = typer.Option(None, "--store",
+                              help="sqlite:///PATH or redis://HOST:PORT/DB (default MX_STORE)"),
+) -> None:
+    """Run the control-plane server (REST API, /metrics) under uvicorn."""
+    from modelexpress.server.serve import serve as run_server
+
+    overrides = {k: v for k, v in (("server_host", host), ("server_port", port),
+                                   ("store", store)) if v is not None}
+    settings = MxSettings(**overrides)
+    configure_logging(settings)
+    run_server(settings)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

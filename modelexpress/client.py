@@ -1,0 +1,428 @@
+"""Typed HTTP client of the control plane (httpx): :class:`MxClient`.
+
+Used by workers (sources heartbeat, agents poll and report progress) and the CLI.
+HTTP failures are translated here, at the boundary, into the error tree:
+
+==========================  ===================================================
+404                         :class:`~modelexpress.errors.NotFoundError`
+409                         :class:`~modelexpress.errors.ConflictError`
+401 / 403                   :class:`~modelexpress.errors.AuthError`
+400 / 413 / 422             :class:`~modelexpress.errors.ValidationError`
+connection errors, 502-504  :class:`~modelexpress.errors.ServerUnavailableError`
+                            (after ``retries`` attempts with backoff)
+==========================  ===================================================
+
+Retries: a request that never reached the server (connect error) is retried for
+every method. Requests that may have reached it (read timeout, 502-504) are retried
+only when repeating them is harmless, which is every call here except
+:meth:`MxClient.start_transfer` (a repeat would start a second transfer). Progress is
+absolute totals, a repeated finish of the same state is a no-op on the server, and
+stop is idempotent, so those retry safely.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import random
+import time
+from typing import Any, Literal
+
+import httpx
+
+from modelexpress.errors import (
+    AuthError, ConflictError, ControlPlaneError, NotFoundError, ServerUnavailableError,
+    ValidationError,
+)
+from modelexpress.identity import ModelIdentity
+from modelexpress.settings import MxSettings
+
+__all__ = ["MxClient", "SourceInfo", "TransferInfo", "ProgressReply", "AgentInfo"]
+
+log = logging.getLogger(__name__)
+
+_BACKOFF_BASE_S = 0.1
+_BACKOFF_CAP_S = 2.0
+_RETRY_STATUS = frozenset({502, 503, 504})
+
+
+def _pick(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    # Tolerate fields a newer server adds: keep only what this client knows.
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceInfo:
+    """A published source. ``manifest`` and ``agent_metadata`` are set only by
+    :meth:`MxClient.get_source` (lists leave them out)."""
+
+    id: str
+    identity_id: str
+    identity: dict[str, Any]
+    worker_id: str
+    endpoint: str
+    state: str
+    created_at: float
+    updated_at: float
+    last_heartbeat: float
+    manifest_bytes: int
+    manifest: dict[str, Any] | None = None
+    agent_metadata: bytes | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "SourceInfo":
+        fields = _pick(cls, data)
+        if "agent_metadata" in fields:
+            fields["agent_metadata"] = base64.b64decode(fields["agent_metadata"])
+        return cls(**fields)
+
+    @property
+    def model_identity(self) -> ModelIdentity:
+        """The identity as our dataclass."""
+        return ModelIdentity.from_dict(self.identity)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferInfo:
+    """A transfer record as the server holds it."""
+
+    id: str
+    identity_id: str
+    target_worker: str
+    source_id: str
+    source_worker: str
+    source_endpoint: str
+    state: str
+    bytes_done: int
+    bytes_total: int
+    rate_bps: float
+    error: str | None
+    stop_requested: bool
+    claimed: bool
+    restarts: int
+    created_at: float
+    updated_at: float
+    started_at: float | None
+    finished_at: float | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TransferInfo":
+        return cls(**_pick(cls, data))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressReply:
+    """Reply to :meth:`MxClient.report_progress`. ``stop``: abort at the next chunk,
+    then call :meth:`MxClient.finish_transfer` with ``"STOPPED"``."""
+
+    transfer: TransferInfo
+    stop: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentInfo:
+    """A registered agent (a worker that runs REST-started transfers)."""
+
+    id: str
+    endpoint: str
+    labels: dict[str, str]
+    registered_at: float
+    last_seen: float
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "AgentInfo":
+        return cls(**_pick(cls, data))
+
+
+class MxClient:
+    """Client of one control-plane server.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8001``.
+        token: bearer token (``MX_SERVER_TOKEN``), or None.
+        timeout_s: timeout of one HTTP request (connect, read, write each).
+        retries: extra attempts after a retryable failure (see module docstring).
+        transport: an httpx transport, for embedding (e.g. ``httpx.ASGITransport``).
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 10.0,
+                 retries: int = 3, transport: httpx.BaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers,
+                                  timeout=timeout_s, transport=transport)
+        self._closed = False
+
+    @classmethod
+    def from_settings(cls, settings: MxSettings, **overrides: Any) -> "MxClient":
+        """Build from ``MX_SERVER_URL``, ``MX_SERVER_TOKEN``, ``MX_CLIENT_TIMEOUT_S``,
+        ``MX_CLIENT_RETRIES``; keyword arguments override them."""
+        token = settings.server_token.get_secret_value() if settings.server_token else None
+        kwargs: dict[str, Any] = {"token": token, "timeout_s": settings.client_timeout_s,
+                                  "retries": settings.client_retries}
+        kwargs.update(overrides)
+        return cls(settings.server_url, **kwargs)
+
+    # --- plumbing ---------------------------------------------------------------
+    def _request(self, method: str, path: str, *, json: Any = None,
+                 params: dict[str, Any] | None = None, idempotent: bool = True,
+                 timeout_s: float | None = None) -> Any:
+        if self._closed:
+            raise ControlPlaneError(f"MxClient for {self.base_url} is closed")
+        params = {k: v for k, v in (params or {}).items() if v is not None}
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        attempt = 0
+        while True:
+            try:
+                resp = self._http.request(method, path, json=json, params=params,
+                                          timeout=timeout)
+            except httpx.TransportError as exc:
+                # ConnectError: nothing reached the server, always safe to repeat.
+                retryable = isinstance(exc, httpx.ConnectError) or idempotent
+                if not retryable or attempt >= self.retries:
+                    raise ServerUnavailableError(
+                        f"{method} {self.base_url}{path} failed after {attempt + 1} "
+                        f"attempt(s): {type(exc).__name__}: {exc}") from exc
+                reason = f"{type(exc).__name__}: {exc}"
+            else:
+                if resp.status_code in _RETRY_STATUS and idempotent and attempt < self.retries:
+                    reason = f"HTTP {resp.status_code}"
+                else:
+                    return self._decode(method, path, resp)
+            delay = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** attempt) * (0.5 + random.random())
+            log.warning("%s %s%s: %s; retry %d/%d in %.2f s", method, self.base_url, path,
+                        reason, attempt + 1, self.retries, delay)
+            time.sleep(delay)
+            attempt += 1
+
+    def _decode(self, method: str, path: str, resp: httpx.Response) -> Any:
+        status = resp.status_code
+        if status < 400:
+            if status == 204 or not resp.content:
+                return None
+            return resp.json()
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except ValueError:
+            detail = resp.text
+        msg = f"{method} {path}: HTTP {status}: {detail}"
+        if status == 404:
+            raise NotFoundError(msg)
+        if status == 409:
+            raise ConflictError(msg)
+        if status in (401, 403):
+            raise AuthError(msg + " (set MX_SERVER_TOKEN to the server's token)")
+        if status in (400, 413, 422):
+            raise ValidationError(msg)
+        if status in _RETRY_STATUS:
+            raise ServerUnavailableError(msg)
+        raise ControlPlaneError(msg)
+
+    def close(self) -> None:
+        """Close the connection pool; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._http.close()
+
+    def __enter__(self) -> "MxClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    # --- meta ---------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """``GET /v1/health``: ``{"status": "ok"|"degraded", "store": url, ...}``.
+
+        A degraded server (store down) answers 503, reported as ServerUnavailableError.
+        """
+        return self._request("GET", "/v1/health")
+
+    def metrics_text(self) -> str:
+        """The Prometheus exposition text of ``/metrics``."""
+        resp = self._http.get("/metrics")
+        if resp.status_code >= 400:
+            self._decode("GET", "/metrics", resp)
+        return resp.text
+
+    # --- sources -----------------------------------------------------------------
+    def publish_source(self, identity: ModelIdentity, worker_id: str, *,
+                       manifest: dict[str, Any], agent_metadata: bytes = b"",
+                       endpoint: str = "",
+                       state: Literal["INITIALIZING", "READY"] = "READY") -> SourceInfo:
+        """Publish (or re-publish) this worker's source for ``identity``.
+
+        Args:
+            identity: what the worker holds.
+            worker_id: unique per worker process/rank (``[A-Za-z0-9._-]``, <= 128 chars).
+            manifest: the transfer layer's manifest (a JSON object).
+            agent_metadata: NIXL agent metadata bytes (sent base64).
+            endpoint: how peers reach the worker's NIXL agent.
+            state: READY, or INITIALIZING while the weights are still loading.
+
+        Returns:
+            The stored source; its ``id`` is what :meth:`heartbeat` takes.
+
+        Raises:
+            ValidationError: bad fields or a manifest over the server's limit.
+        """
+        body = {"identity": identity.to_dict(), "worker_id": worker_id, "endpoint": endpoint,
+                "agent_metadata": base64.b64encode(agent_metadata).decode(),
+                "manifest": manifest, "state": state}
+        return SourceInfo.from_json(self._request("PUT", "/v1/sources", json=body))
+
+    def heartbeat(self, source_id: str,
+                  state: Literal["INITIALIZING", "READY", "STALE"] | None = None) -> SourceInfo:
+        """Tell the server the source is alive, optionally moving it to ``state``.
+
+        Raises:
+            NotFoundError: the record was collected (stale too long): publish again.
+            ConflictError: illegal move (e.g. READY -> INITIALIZING).
+        """
+        return SourceInfo.from_json(self._request(
+            "POST", f"/v1/sources/{source_id}/heartbeat", json={"state": state}))
+
+    def mark_stale(self, source_id: str) -> SourceInfo:
+        """Withdraw a source (shutdown or data-plane failure): heartbeat with STALE."""
+        return self.heartbeat(source_id, "STALE")
+
+    def get_source(self, source_id: str) -> SourceInfo:
+        """One source with ``manifest`` and ``agent_metadata`` (bytes).
+
+        Raises:
+            NotFoundError: no such source.
+        """
+        return SourceInfo.from_json(self._request("GET", f"/v1/sources/{source_id}"))
+
+    def list_sources(self, *, model: str | None = None, revision: str | None = None,
+                     state: str | None = None, rank: int | None = None,
+                     identity: ModelIdentity | str | None = None,
+                     worker_id: str | None = None) -> list[SourceInfo]:
+        """Sources matching every given filter (without manifests), oldest first."""
+        ident = identity.id if isinstance(identity, ModelIdentity) else identity
+        rows = self._request("GET", "/v1/sources", params={
+            "model": model, "revision": revision, "state": state, "rank": rank,
+            "identity_id": ident, "worker_id": worker_id})
+        return [SourceInfo.from_json(r) for r in rows]
+
+    def delete_source(self, source_id: str) -> None:
+        """Delete a source. Raises NotFoundError when it does not exist."""
+        self._request("DELETE", f"/v1/sources/{source_id}")
+
+    # --- transfers ---------------------------------------------------------------
+    def start_transfer(self, identity: ModelIdentity | str, target_worker: str, *,
+                       source_id: str | None = None,
+                       policy: Literal["random", "spread"] | None = None) -> TransferInfo:
+        """Start a transfer of ``identity`` to the agent ``target_worker`` (PENDING).
+
+        Not retried after the request may have reached the server (it would start a
+        second transfer); a ServerUnavailableError here means "unknown": list the
+        target's transfers before starting another.
+
+        Raises:
+            ConflictError: no READY source (or the named source is not READY).
+            NotFoundError: the named source does not exist.
+        """
+        ident = identity.id if isinstance(identity, ModelIdentity) else identity
+        return TransferInfo.from_json(self._request(
+            "POST", "/v1/transfers", idempotent=False,
+            json={"identity_id": ident, "target_worker": target_worker,
+                  "source_id": source_id, "policy": policy}))
+
+    def get_transfer(self, transfer_id: str) -> TransferInfo:
+        """One transfer. Raises NotFoundError for an unknown id."""
+        return TransferInfo.from_json(self._request("GET", f"/v1/transfers/{transfer_id}"))
+
+    def list_transfers(self, *, state: str | None = None, target_worker: str | None = None,
+                       identity: ModelIdentity | str | None = None) -> list[TransferInfo]:
+        """Transfers matching every given filter, oldest first."""
+        ident = identity.id if isinstance(identity, ModelIdentity) else identity
+        rows = self._request("GET", "/v1/transfers", params={
+            "state": state, "target_worker": target_worker, "identity_id": ident})
+        return [TransferInfo.from_json(r) for r in rows]
+
+    def report_progress(self, transfer_id: str, bytes_done: int, bytes_total: int,
+                        rate_bps: float = 0.0) -> ProgressReply:
+        """Report running totals (the first report moves PENDING to RUNNING).
+
+        Returns:
+            The record and ``stop``: when true, abort at the next chunk and finish
+            with STOPPED.
+
+        Raises:
+            ConflictError: the transfer already finished.
+        """
+        data = self._request("POST", f"/v1/transfers/{transfer_id}/progress",
+                             json={"bytes_done": bytes_done, "bytes_total": bytes_total,
+                                   "rate_bps": rate_bps})
+        return ProgressReply(TransferInfo.from_json(data["transfer"]), bool(data["stop"]))
+
+    def finish_transfer(self, transfer_id: str,
+                        state: Literal["SUCCEEDED", "FAILED", "STOPPED"], *,
+                        error: str | None = None, bytes_done: int | None = None
+                        ) -> TransferInfo:
+        """The worker's final report.
+
+        Raises:
+            ConflictError: illegal, e.g. SUCCEEDED after a stop was asked (the stop
+                won), or STOPPED when no stop was asked.
+        """
+        return TransferInfo.from_json(self._request(
+            "POST", f"/v1/transfers/{transfer_id}/finish",
+            json={"state": state, "error": error, "bytes_done": bytes_done}))
+
+    def stop_transfer(self, transfer_id: str) -> TransferInfo:
+        """Ask a transfer to stop (STOPPING; STOPPED at once if no agent claimed it).
+
+        Raises:
+            ConflictError: it already SUCCEEDED or FAILED.
+        """
+        return TransferInfo.from_json(self._request("POST", f"/v1/transfers/{transfer_id}/stop"))
+
+    def restart_transfer(self, transfer_id: str) -> TransferInfo:
+        """Put a STOPPED or FAILED transfer back to PENDING (same id).
+
+        Raises:
+            ConflictError: not STOPPED/FAILED, or no READY source left.
+        """
+        return TransferInfo.from_json(self._request(
+            "POST", f"/v1/transfers/{transfer_id}/restart"))
+
+    # --- agents ------------------------------------------------------------------
+    def register_agent(self, agent_id: str, *, endpoint: str = "",
+                       labels: dict[str, str] | None = None) -> AgentInfo:
+        """Register a worker that runs REST-started transfers. Re-registering (after
+        a restart) releases the transfers it claimed but never started."""
+        return AgentInfo.from_json(self._request(
+            "PUT", f"/v1/agents/{agent_id}", json={"endpoint": endpoint,
+                                                   "labels": labels or {}}))
+
+    def list_agents(self) -> list[AgentInfo]:
+        """Every registered agent."""
+        return [AgentInfo.from_json(r) for r in self._request("GET", "/v1/agents")]
+
+    def poll_assignments(self, agent_id: str, wait_s: float = 30.0) -> list[TransferInfo]:
+        """Long poll: claim new PENDING transfers for ``agent_id``, waiting up to
+        ``wait_s`` (<= 60) for one. An empty list at the deadline is normal.
+
+        Raises:
+            NotFoundError: the agent is not registered (call :meth:`register_agent`).
+        """
+        data = self._request("GET", f"/v1/agents/{agent_id}/assignments",
+                             params={"wait": wait_s}, timeout_s=wait_s + self.timeout_s,
+                             # a repeat after a lost reply would miss what the first
+                             # claimed; the agent re-registers instead (releases claims)
+                             idempotent=False)
+        return [TransferInfo.from_json(t) for t in data["transfers"]]

@@ -1,0 +1,410 @@
+"""The control-plane HTTP API: ``create_app(settings)`` builds the FastAPI app.
+
+Routes (all JSON, under ``/v1``; OpenAPI at ``/openapi.json``):
+
+=======  ====================================  ===========================================
+PUT      /v1/sources                           publish (upsert) a source + manifest
+GET      /v1/sources                           list (filters: model, revision, state, rank,
+                                               identity_id, worker_id)
+GET      /v1/sources/{id}                      one source with manifest + agent metadata
+POST     /v1/sources/{id}/heartbeat            alive (optionally READY / STALE)
+DELETE   /v1/sources/{id}                      remove
+POST     /v1/transfers                         start (server picks a READY source if none)
+GET      /v1/transfers[/{id}]                  list / show
+POST     /v1/transfers/{id}/progress           worker totals; reply says ``stop``
+POST     /v1/transfers/{id}/finish             SUCCEEDED / FAILED / STOPPED
+POST     /v1/transfers/{id}/stop               ask to stop (STOPPING, or STOPPED if unclaimed)
+POST     /v1/transfers/{id}/restart            STOPPED / FAILED -> PENDING (same id)
+PUT      /v1/agents/{id}                       register a worker that runs transfers
+GET      /v1/agents                            list agents
+GET      /v1/agents/{id}/assignments?wait=S    long poll: claim new PENDING transfers
+GET      /v1/health                            no auth
+GET      /metrics                              Prometheus
+=======  ====================================  ===========================================
+
+Errors are ``{"detail": "..."}`` with 401 (token), 404 (unknown id), 409 (illegal
+transition), 413 (too large), 422 (bad body or query), 503 (store unavailable).
+
+Routes that only touch the store are plain ``def``: FastAPI runs them in its thread
+pool, so a slow store call never blocks the event loop (the stores are thread-safe).
+The long poll is ``async`` so that waiting agents hold no thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from typing import Annotated, Any, AsyncIterator
+
+from fastapi import FastAPI, Path, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+import modelexpress
+from modelexpress.errors import (
+    AuthError, ConflictError, MxError, NotFoundError, StoreError, ValidationError,
+)
+from modelexpress.server.metrics import CONTENT_TYPE, Metrics
+from modelexpress.server.models import (
+    AgentOut, AgentRegister, AssignmentsOut, ErrorOut, FinishIn, HealthOut, HeartbeatIn,
+    ProgressIn, ProgressOut, SourceDetail, SourceOut, SourcePublish, TransferCreate,
+    TransferOut, MAX_METADATA_B64,
+)
+from modelexpress.server.service import ControlPlane
+from modelexpress.server.states import SourceState, TransferState
+from modelexpress.server.store import Store, open_store
+from modelexpress.settings import MxSettings
+
+__all__ = ["create_app", "MAX_POLL_WAIT_S"]
+
+log = logging.getLogger(__name__)
+
+MAX_POLL_WAIT_S = 60.0
+"""Longest long poll; keeps a poll well under common proxy idle timeouts (~100 s)."""
+
+# Long-poll re-check period when nothing woke us: transfers created on ANOTHER
+# replica (shared Redis) do not reach our in-process event, so we also re-read.
+_POLL_RECHECK_S = 1.0
+_PUBLIC_PATHS = frozenset({"/v1/health"})
+_ENTITY = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,191}$"
+_WORKER = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$"
+_IDENT = r"^[0-9a-f]{32}$"
+
+SourcePath = Annotated[str, Path(pattern=_ENTITY, description="source id (identity_id:worker_id)")]
+TransferPath = Annotated[str, Path(pattern=_ENTITY, description="transfer id")]
+AgentPath = Annotated[str, Path(pattern=_WORKER, description="agent (worker) id")]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorOut} for code in (401, 404, 409, 413, 422, 503)}
+
+
+def _json_error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+class _Gate:
+    """Pure ASGI middleware: bearer token, request size cap, latency metrics.
+
+    Pure ASGI rather than ``BaseHTTPMiddleware``: the latter costs a task and a
+    stream copy per request, which shows in p99 at a few hundred requests/s.
+    """
+
+    def __init__(self, app: Any, token: str | None, max_body: int, metrics: Metrics) -> None:
+        self.app = app
+        self._token = token.encode() if token else None
+        self._max_body = max_body
+        self._metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            denied = self._deny(scope)
+            if denied is not None:
+                await denied(scope, receive, send_status)
+            else:
+                await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            self._metrics.observe(scope["method"], getattr(route, "path", "unmatched"),
+                                  status, time.perf_counter() - start)
+
+    def _deny(self, scope: dict) -> JSONResponse | None:
+        headers = dict(scope["headers"])
+        if self._token is not None and scope["path"] not in _PUBLIC_PATHS:
+            auth = headers.get(b"authorization", b"")
+            scheme, _, given = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self._token):
+                return _json_error(401, "missing or wrong bearer token (Authorization: Bearer "
+                                        "<MX_SERVER_TOKEN>)", {"WWW-Authenticate": "Bearer"})
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self._max_body
+            except ValueError:
+                return _json_error(400, "Content-Length is not an integer")
+            if too_big:
+                return _json_error(413, f"request body of {int(length)} bytes exceeds the "
+                                        f"limit of {self._max_body} bytes")
+        return None
+
+
+class _Wakeup:
+    """Wakes long polls of this replica when a transfer becomes PENDING."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        """Thread-safe: called from the route thread pool."""
+        if self._loop is not None and self._event is not None:
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    async def wait(self, timeout: float) -> None:
+        assert self._event is not None, "bind() runs in the lifespan"
+        event = self._event
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+        # Swap rather than clear: pollers that woke on the old event all see it set.
+        if event.is_set() and self._event is event:
+            self._event = asyncio.Event()
+
+
+def _format_validation(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:10]:
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def create_app(settings: MxSettings | None = None, *, store: Store | None = None) -> FastAPI:
+    """Build the control-plane app.
+
+    Args:
+        settings: server settings (store URL, token, timeouts); default ``MxSettings()``.
+        store: an open store to use instead of opening ``settings.store``; the caller
+            keeps ownership (the app closes only a store it opened itself).
+
+    Returns:
+        The FastAPI app, ready for uvicorn.
+    """
+    settings = settings or MxSettings()
+    token = settings.server_token.get_secret_value() if settings.server_token else None
+    owned = store is None
+    the_store: Store = store if store is not None else open_store(settings.store)
+    cp = ControlPlane(the_store, stale_after_s=settings.stale_after_s,
+                      gc_after_s=settings.gc_after_s,
+                      max_manifest_bytes=settings.server_max_manifest_bytes,
+                      default_policy=settings.source_policy)
+    metrics = Metrics(cp.counts)
+    wakeup = _Wakeup()
+    sweep_every = max(0.2, min(settings.stale_after_s / 3, 10.0))
+
+    async def sweeper() -> None:
+        while True:
+            await asyncio.sleep(sweep_every)
+            try:
+                await run_in_threadpool(cp.sweep)
+            except StoreError as exc:
+                log.warning("sweep skipped: %s", exc)
+            except Exception:  # noqa: BLE001 - keep sweeping; a bug here must not stop GC
+                log.exception("sweep failed")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        wakeup.bind(asyncio.get_running_loop())
+        task = asyncio.create_task(sweeper(), name="mx-sweeper")
+        log.info("control plane up: store %s, auth %s", the_store.url,
+                 "on" if token else "off")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if owned:
+                the_store.close()
+
+    app = FastAPI(title="modelexpress control plane", version=modelexpress.__version__,
+                  lifespan=lifespan, responses=_ERRORS)
+    app.state.control_plane = cp
+    app.state.store = the_store
+
+    # --- error mapping: 4xx with a message, never a 500 for bad input -------------
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _json_error(422, _format_validation(exc))
+
+    @app.exception_handler(NotFoundError)
+    async def _missing(_: Request, exc: NotFoundError) -> JSONResponse:
+        return _json_error(404, str(exc))
+
+    @app.exception_handler(ConflictError)
+    async def _conflict(_: Request, exc: ConflictError) -> JSONResponse:
+        return _json_error(409, str(exc))
+
+    @app.exception_handler(ValidationError)
+    async def _rejected(_: Request, exc: ValidationError) -> JSONResponse:
+        return _json_error(422, str(exc))
+
+    @app.exception_handler(AuthError)
+    async def _auth(_: Request, exc: AuthError) -> JSONResponse:
+        return _json_error(401, str(exc))
+
+    @app.exception_handler(StoreError)
+    async def _store_down(_: Request, exc: StoreError) -> JSONResponse:
+        log.warning("store error: %s", exc)
+        return _json_error(503, f"store unavailable: {exc}")
+
+    @app.exception_handler(MxError)
+    async def _other(_: Request, exc: MxError) -> JSONResponse:
+        log.warning("request failed: %s", exc)
+        return _json_error(400, str(exc))
+
+    # --- health and metrics -----------------------------------------------------
+    @app.get("/v1/health", response_model=HealthOut, tags=["meta"])
+    def health(response: Response) -> HealthOut:
+        """Liveness and store reachability. Never needs the token."""
+        try:
+            the_store.ping()
+        except StoreError as exc:
+            response.status_code = 503
+            return HealthOut(status="degraded", store=the_store.url, detail=str(exc))
+        return HealthOut(status="ok", store=the_store.url)
+
+    @app.get("/metrics", tags=["meta"], response_class=Response,
+             responses={200: {"content": {"text/plain": {}}}})
+    def prometheus() -> Response:
+        """Prometheus exposition: mx_sources, mx_transfers, mx_http_request_seconds."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # --- sources -----------------------------------------------------------------
+    @app.put("/v1/sources", response_model=SourceOut, tags=["sources"])
+    def publish_source(body: SourcePublish) -> Any:
+        """Publish (or re-publish) the source of one worker rank; resets its state."""
+        try:
+            return cp.publish_source(body.identity.to_identity(), body.worker_id,
+                                     endpoint=body.endpoint,
+                                     agent_metadata=body.agent_metadata,
+                                     manifest=body.manifest, state=SourceState(body.state))
+        except ValidationError as exc:  # the only one publish raises: manifest too large
+            return _json_error(413, str(exc))
+
+    @app.get("/v1/sources", response_model=list[SourceOut], tags=["sources"])
+    def list_sources(
+        model: Annotated[str | None, Query(max_length=512)] = None,
+        revision: Annotated[str | None, Query(max_length=256)] = None,
+        state: SourceState | None = None,
+        rank: Annotated[int | None, Query(ge=0, le=1 << 40)] = None,
+        identity_id: Annotated[str | None, Query(pattern=_IDENT)] = None,
+        worker_id: Annotated[str | None, Query(pattern=_WORKER)] = None,
+    ) -> Any:
+        """Sources matching every given filter (state is the effective one: a source
+        past its heartbeat deadline reads STALE even before the sweep persists it)."""
+        return cp.list_sources(model=model, revision=revision, state=state, rank=rank,
+                               identity_id=identity_id, worker_id=worker_id)
+
+    @app.get("/v1/sources/{source_id}", response_model=SourceDetail, tags=["sources"])
+    def get_source(source_id: SourcePath) -> Any:
+        """One source with its manifest and NIXL agent metadata (base64)."""
+        return cp.get_source(source_id, with_blob=True)
+
+    @app.post("/v1/sources/{source_id}/heartbeat", response_model=SourceOut, tags=["sources"])
+    def heartbeat(source_id: SourcePath, body: HeartbeatIn) -> Any:
+        """Alive. 404 means the record was collected: publish again."""
+        return cp.heartbeat(source_id, body.state)
+
+    @app.delete("/v1/sources/{source_id}", status_code=204, tags=["sources"])
+    def delete_source(source_id: SourcePath) -> Response:
+        """Remove a source and its manifest."""
+        cp.delete_source(source_id)
+        return Response(status_code=204)
+
+    # --- transfers ---------------------------------------------------------------
+    @app.post("/v1/transfers", response_model=TransferOut, status_code=201, tags=["transfers"])
+    def create_transfer(body: TransferCreate) -> Any:
+        """Start a transfer; it is PENDING until the target agent claims and runs it."""
+        rec = cp.create_transfer(body.identity_id, body.target_worker,
+                                 source_id=body.source_id, policy=body.policy)
+        wakeup.notify()
+        return rec
+
+    @app.get("/v1/transfers", response_model=list[TransferOut], tags=["transfers"])
+    def list_transfers(
+        state: TransferState | None = None,
+        target_worker: Annotated[str | None, Query(pattern=_WORKER)] = None,
+        identity_id: Annotated[str | None, Query(pattern=_IDENT)] = None,
+    ) -> Any:
+        """Transfers matching every given filter, oldest first."""
+        return cp.list_transfers(state=state, target_worker=target_worker,
+                                 identity_id=identity_id)
+
+    @app.get("/v1/transfers/{transfer_id}", response_model=TransferOut, tags=["transfers"])
+    def get_transfer(transfer_id: TransferPath) -> Any:
+        """State, bytes done/total, rate, source, error."""
+        return cp.get_transfer(transfer_id)
+
+    @app.post("/v1/transfers/{transfer_id}/progress", response_model=ProgressOut,
+              tags=["transfers"])
+    def progress(transfer_id: TransferPath, body: ProgressIn) -> Any:
+        """Worker totals. ``stop: true`` in the reply: abort at the next chunk and
+        finish with STOPPED."""
+        rec = cp.progress(transfer_id, body.bytes_done, body.bytes_total, body.rate_bps)
+        return {"transfer": rec, "stop": rec["state"] == TransferState.STOPPING.value}
+
+    @app.post("/v1/transfers/{transfer_id}/finish", response_model=TransferOut,
+              tags=["transfers"])
+    def finish(transfer_id: TransferPath, body: FinishIn) -> Any:
+        """Final state from the worker. STOPPED only after a stop was asked."""
+        return cp.finish(transfer_id, TransferState(body.state), body.error, body.bytes_done)
+
+    @app.post("/v1/transfers/{transfer_id}/stop", response_model=TransferOut,
+              tags=["transfers"])
+    def stop(transfer_id: TransferPath) -> Any:
+        """Ask a transfer to stop; idempotent. 409 once it SUCCEEDED or FAILED."""
+        return cp.stop(transfer_id)
+
+    @app.post("/v1/transfers/{transfer_id}/restart", response_model=TransferOut,
+              tags=["transfers"])
+    def restart(transfer_id: TransferPath) -> Any:
+        """STOPPED or FAILED -> PENDING with the same id (a new source if the old is gone)."""
+        rec = cp.restart(transfer_id)
+        wakeup.notify()
+        return rec
+
+    # --- agents ------------------------------------------------------------------
+    @app.put("/v1/agents/{agent_id}", response_model=AgentOut, tags=["agents"])
+    def register_agent(agent_id: AgentPath, body: AgentRegister) -> Any:
+        """Register a worker that runs REST-started transfers (re-registering releases
+        transfers it claimed but never started)."""
+        return cp.register_agent(agent_id, body.endpoint, body.labels)
+
+    @app.get("/v1/agents", response_model=list[AgentOut], tags=["agents"])
+    def list_agents() -> Any:
+        """Every registered agent."""
+        return cp.list_agents()
+
+    @app.get("/v1/agents/{agent_id}/assignments", response_model=AssignmentsOut,
+             tags=["agents"])
+    async def assignments(
+        agent_id: AgentPath,
+        wait: Annotated[float, Query(ge=0, le=MAX_POLL_WAIT_S,
+                                     description="seconds to wait for work")] = 0.0,
+    ) -> Any:
+        """Long poll: claim this agent's new PENDING transfers, waiting up to ``wait``
+        seconds for one to appear. An empty list at the deadline is normal: poll again."""
+        deadline = time.monotonic() + wait
+        while True:
+            claimed = await run_in_threadpool(cp.claim_assignments, agent_id)
+            remaining = deadline - time.monotonic()
+            if claimed or remaining <= 0:
+                return {"transfers": claimed}
+            await wakeup.wait(min(remaining, _POLL_RECHECK_S))
+
+    # Bodies carry at most a manifest plus base64 metadata; anything larger is refused
+    # before it is read (a 413, not a memory spike).
+    max_body = settings.server_max_manifest_bytes + MAX_METADATA_B64 + (1 << 20)
+    app.add_middleware(_Gate, token=token, max_body=max_body, metrics=metrics)
+    return app
+
+

@@ -1,0 +1,229 @@
+"""Request and response bodies of the REST API (pydantic, ``extra="forbid"``).
+
+Everything a client sends is validated here, so a bad body is a 422 that names the
+field, never a 500 and never a half-written record. Large opaque payloads (the
+manifest and the NIXL agent metadata) are only checked for shape and size: the
+transfer layer owns their content.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+from modelexpress.identity import ModelIdentity
+from modelexpress.server.states import SourceState, TransferState
+
+__all__ = [
+    "WorkerId", "EntityId", "IdentityIn", "SourcePublish", "SourceOut", "SourceDetail",
+    "HeartbeatIn", "TransferCreate", "TransferOut", "ProgressIn", "ProgressOut", "FinishIn",
+    "AgentRegister", "AgentOut", "AssignmentsOut", "HealthOut", "ErrorOut",
+    "MAX_METADATA_B64",
+]
+
+WorkerId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")]
+"""A worker (agent) id: letters, digits, '.', '_', '-'; 1-128 chars; safe in URLs."""
+EntityId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,191}$")]
+"""A source or transfer id as the server issues them."""
+IdentityId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+Text = Annotated[str, StringConstraints(max_length=1024)]
+Count = Annotated[int, Field(ge=0, le=1 << 62)]
+
+MAX_METADATA_B64 = 16 << 20
+"""Base64 characters of NIXL agent metadata we accept (real metadata is a few KiB)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class IdentityIn(_Model):
+    """A :class:`~modelexpress.identity.ModelIdentity` on the wire (``id`` optional, checked)."""
+
+    model: Annotated[str, StringConstraints(min_length=1, max_length=512)]
+    revision: Annotated[str, StringConstraints(max_length=256)] = "main"
+    dtype: Annotated[str, StringConstraints(max_length=64)] = "bfloat16"
+    quantization: Annotated[str, StringConstraints(max_length=64)] = "none"
+    tp_size: Annotated[int, Field(ge=1, le=1 << 20)] = 1
+    pp_size: Annotated[int, Field(ge=1, le=1 << 20)] = 1
+    ep_size: Annotated[int, Field(ge=1, le=1 << 20)] = 1
+    rank: Annotated[int, Field(ge=0, le=1 << 40)] = 0
+    extra: Annotated[list[tuple[Text, Text]], Field(max_length=64)] = []
+    id: IdentityId | None = None
+
+    def to_identity(self) -> ModelIdentity:
+        """Build the identity; raises ConfigError (a ValueError) when the fields disagree."""
+        return ModelIdentity.from_dict(self.model_dump(exclude_none=True))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "IdentityIn":
+        self.to_identity()  # ConfigError is a ValueError: pydantic turns it into a 422
+        return self
+
+
+class SourcePublish(_Model):
+    """``PUT /v1/sources``: a worker rank announces the weights it holds."""
+
+    identity: IdentityIn
+    worker_id: WorkerId
+    endpoint: Text = Field("", description="How peers reach the worker's NIXL agent (host:port).")
+    agent_metadata: str = Field(
+        "", max_length=MAX_METADATA_B64,
+        description="NIXL agent metadata, base64 (standard alphabet, padded).")
+    manifest: dict[str, Any] = Field(
+        description="The transfer layer's manifest; stored as opaque JSON within a size limit.")
+    state: Literal[SourceState.INITIALIZING, SourceState.READY] = SourceState.READY
+
+    @field_validator("agent_metadata")
+    @classmethod
+    def _base64(cls, value: str) -> str:
+        try:
+            base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"agent_metadata is not valid base64: {exc}") from exc
+        return value
+
+    @field_validator("manifest")
+    @classmethod
+    def _json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(value, allow_nan=False)
+        except (ValueError, RecursionError) as exc:  # NaN/Infinity or absurd nesting
+            raise ValueError(f"manifest is not storable JSON: {exc}") from exc
+        return value
+
+
+class SourceOut(_Model):
+    """A source without its manifest and metadata (what lists return)."""
+
+    id: str
+    identity_id: str
+    identity: dict[str, Any]
+    worker_id: str
+    endpoint: str
+    state: SourceState
+    created_at: float
+    updated_at: float
+    last_heartbeat: float
+    manifest_bytes: int
+
+
+class SourceDetail(SourceOut):
+    """A source with its manifest and NIXL agent metadata (base64)."""
+
+    manifest: dict[str, Any]
+    agent_metadata: str
+
+
+class HeartbeatIn(_Model):
+    """``POST /v1/sources/{id}/heartbeat``: I am alive, optionally with a new state."""
+
+    state: SourceState | None = Field(
+        None, description="READY when initialisation finished, STALE when the worker "
+                          "goes away or its data plane failed; omit to keep the state.")
+
+
+class TransferCreate(_Model):
+    """``POST /v1/transfers``: move the weights of an identity to a target worker."""
+
+    identity_id: IdentityId
+    target_worker: WorkerId
+    source_id: EntityId | None = Field(None, description="Omit to let the server pick a READY source.")
+    policy: Literal["random", "spread"] | None = Field(
+        None, description="How to pick a source when none is given (default: MX_SOURCE_POLICY).")
+
+
+class TransferOut(_Model):
+    """A transfer record."""
+
+    id: str
+    identity_id: str
+    target_worker: str
+    source_id: str
+    source_worker: str
+    source_endpoint: str
+    state: TransferState
+    bytes_done: int
+    bytes_total: int
+    rate_bps: float
+    error: str | None
+    stop_requested: bool
+    claimed: bool
+    restarts: int
+    created_at: float
+    updated_at: float
+    started_at: float | None
+    finished_at: float | None
+
+
+class ProgressIn(_Model):
+    """``POST /v1/transfers/{id}/progress``: the worker's running totals (absolute, idempotent)."""
+
+    bytes_done: Count
+    bytes_total: Count
+    rate_bps: Annotated[float, Field(ge=0, le=1e15, allow_inf_nan=False)] = 0.0
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "ProgressIn":
+        if self.bytes_done > self.bytes_total:
+            raise ValueError(f"bytes_done ({self.bytes_done}) exceeds bytes_total "
+                             f"({self.bytes_total})")
+        return self
+
+
+class ProgressOut(_Model):
+    """Reply to a progress report: ``stop`` true means abort at the next chunk, then
+    finish with state STOPPED."""
+
+    transfer: TransferOut
+    stop: bool
+
+
+class FinishIn(_Model):
+    """``POST /v1/transfers/{id}/finish``: the worker's final word."""
+
+    state: Literal[TransferState.SUCCEEDED, TransferState.FAILED, TransferState.STOPPED]
+    error: Annotated[str, StringConstraints(max_length=8192)] | None = None
+    bytes_done: Count | None = None
+
+
+class AgentRegister(_Model):
+    """``PUT /v1/agents/{id}``: a worker that executes REST-started transfers."""
+
+    endpoint: Text = ""
+    labels: Annotated[dict[Annotated[str, StringConstraints(max_length=128)], Text],
+                      Field(max_length=64)] = {}
+
+
+class AgentOut(_Model):
+    """A registered agent."""
+
+    id: str
+    endpoint: str
+    labels: dict[str, str]
+    registered_at: float
+    last_seen: float
+
+
+class AssignmentsOut(_Model):
+    """Transfers newly assigned to an agent (claimed by this poll)."""
+
+    transfers: list[TransferOut]
+
+
+class HealthOut(_Model):
+    """``GET /v1/health``."""
+
+    status: Literal["ok", "degraded"]
+    store: str
+    detail: str = ""
+
+
+class ErrorOut(_Model):
+    """Every 4xx/5xx body."""
+
+    detail: str

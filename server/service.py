@@ -1,0 +1,439 @@
+"""The control plane's rules on top of a :class:`~modelexpress.server.store.Store`.
+
+HTTP lives in ``app.py``; this module is what the routes call. It owns the state
+machines (``states.py``), source selection, staleness and garbage collection. Every
+state change goes through ``Store.update`` so it is atomic on every backend.
+
+Time is wall-clock (``time.time``) because records outlive the process and are
+shared between replicas; a monotonic clock would mean nothing to another process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from typing import Any, Callable
+
+from modelexpress.errors import ConflictError, NotFoundError, ValidationError
+from modelexpress.identity import ModelIdentity
+from modelexpress.server.states import (
+    LIVE, TERMINAL, SourceState, TransferState, check_source_move, check_transfer_move,
+)
+from modelexpress.server.store import Record, Store
+
+__all__ = ["ControlPlane", "source_id_for"]
+
+log = logging.getLogger(__name__)
+
+_S = SourceState
+_T = TransferState
+
+
+def source_id_for(identity_id: str, worker_id: str) -> str:
+    """The id of the source that ``worker_id`` publishes for ``identity_id``.
+
+    Several workers may serve one identity; one worker serves an identity once,
+    so publishing again replaces its own record.
+    """
+    return f"{identity_id}:{worker_id}"
+
+
+class ControlPlane:
+    """Sources, transfers and agents with their rules.
+
+    Args:
+        store: where records live (shared by all replicas).
+        stale_after_s: a source without a heartbeat for this long is STALE.
+        gc_after_s: STALE sources, finished transfers and silent agents older than
+            this are deleted by :meth:`sweep`.
+        max_manifest_bytes: largest manifest (as compact JSON) a source may publish.
+        default_policy: ``random`` or ``spread`` when a transfer names no source.
+        clock: wall-clock seconds; tests pass a fake to age records.
+    """
+
+    def __init__(self, store: Store, *, stale_after_s: float, gc_after_s: float,
+                 max_manifest_bytes: int, default_policy: str = "random",
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.stale_after_s = stale_after_s
+        self.gc_after_s = gc_after_s
+        self.max_manifest_bytes = max_manifest_bytes
+        self.default_policy = default_policy
+        self.clock = clock
+        self._rng = random.Random()
+
+    # --- sources -------------------------------------------------------------
+    def _effective(self, src: Record, now: float) -> Record:
+        """A live source past its heartbeat deadline reads as STALE even before the sweep."""
+        if src["state"] != _S.STALE.value and now - src["last_heartbeat"] > self.stale_after_s:
+            return {**src, "state": _S.STALE.value}
+        return src
+
+    def publish_source(self, identity: ModelIdentity, worker_id: str, *, endpoint: str,
+                       agent_metadata: str, manifest: dict[str, Any], state: SourceState
+                       ) -> Record:
+        """Create or replace the source of ``worker_id`` for ``identity``.
+
+        Raises:
+            ValidationError: the manifest is larger than ``max_manifest_bytes`` (413).
+        """
+        blob = json.dumps(manifest, separators=(",", ":"), allow_nan=False)
+        if len(blob) > self.max_manifest_bytes:
+            raise ValidationError(
+                f"manifest is {len(blob)} bytes as JSON; the limit is "
+                f"{self.max_manifest_bytes} (MX_SERVER_MAX_MANIFEST_BYTES)")
+        now = self.clock()
+        sid = source_id_for(identity.id, worker_id)
+        old = self.store.get("sources", sid)
+        record = {
+            "id": sid, "identity_id": identity.id, "identity": identity.to_dict(),
+            "worker_id": worker_id, "endpoint": endpoint, "state": state.value,
+            "created_at": old["created_at"] if old else now, "updated_at": now,
+            "last_heartbeat": now, "manifest_bytes": len(blob),
+        }
+        # Blob first: a reader that finds the summary must also find its manifest.
+        self.store.put("blobs", {"id": sid, "manifest": manifest, "agent_metadata": agent_metadata})
+        self.store.put("sources", record)
+        log.info("source %s published (%s, worker %s, %s, manifest %d bytes)",
+                 sid, identity.model, worker_id, state.value, len(blob))
+        return record
+
+    def heartbeat(self, source_id: str, state: SourceState | None) -> Record:
+        """Record a heartbeat, optionally moving the source to ``state``.
+
+        Raises:
+            NotFoundError: unknown (or garbage-collected) source: publish again.
+            ConflictError: illegal move (e.g. READY -> INITIALIZING).
+        """
+        now = self.clock()
+
+        def beat(src: Record) -> Record:
+            old = _S(src["state"])
+            new = state or (_S.READY if old is _S.STALE else old)
+            check_source_move(source_id, old, new)
+            return {**src, "state": new.value, "last_heartbeat": now, "updated_at": now}
+
+        return self.store.update("sources", source_id, beat)
+
+    def get_source(self, source_id: str, *, with_blob: bool = False) -> Record:
+        """Return a source (effective state), optionally with manifest and metadata.
+
+        Raises:
+            NotFoundError: no such source.
+        """
+        src = self.store.get("sources", source_id)
+        if src is None:
+            raise NotFoundError(f"source {source_id} not found")
+        src = self._effective(src, self.clock())
+        if with_blob:
+            blob = self.store.get("blobs", source_id) or {"manifest": {}, "agent_metadata": ""}
+            src = {**src, "manifest": blob["manifest"], "agent_metadata": blob["agent_metadata"]}
+        return src
+
+    def list_sources(self, *, model: str | None = None, revision: str | None = None,
+                     state: SourceState | None = None, rank: int | None = None,
+                     identity_id: str | None = None, worker_id: str | None = None
+                     ) -> list[Record]:
+        """Sources matching every given filter, oldest first."""
+        now = self.clock()
+        out = []
+        for src in self.store.list("sources"):
+            src = self._effective(src, now)
+            ident = src["identity"]
+            if ((model is not None and ident["model"] != model)
+                    or (revision is not None and ident["revision"] != revision)
+                    or (rank is not None and ident["rank"] != rank)
+                    or (state is not None and src["state"] != state.value)
+                    or (identity_id is not None and src["identity_id"] != identity_id)
+                    or (worker_id is not None and src["worker_id"] != worker_id)):
+                continue
+            out.append(src)
+        return sorted(out, key=lambda s: (s["created_at"], s["id"]))
+
+    def delete_source(self, source_id: str) -> None:
+        """Delete a source and its manifest.
+
+        Raises:
+            NotFoundError: no such source.
+        """
+        if not self.store.delete("sources", source_id):
+            raise NotFoundError(f"source {source_id} not found")
+        self.store.delete("blobs", source_id)
+        log.info("source %s deleted", source_id)
+
+    # --- transfers -----------------------------------------------------------
+    def _pick_source(self, identity_id: str, target_worker: str, policy: str) -> Record:
+        ready = [s for s in self.list_sources(identity_id=identity_id, state=_S.READY)
+                 if s["worker_id"] != target_worker]
+        if not ready:
+            raise ConflictError(
+                f"no READY source for identity {identity_id} other than the target "
+                f"{target_worker}; publish one or wait for a source to become READY")
+        if policy == "spread":
+            load: dict[str, int] = {}
+            for t in self.store.list("transfers"):
+                if t["state"] in {s.value for s in LIVE}:
+                    load[t["source_id"]] = load.get(t["source_id"], 0) + 1
+            least = min(load.get(s["id"], 0) for s in ready)
+            ready = [s for s in ready if load.get(s["id"], 0) == least]
+        return self._rng.choice(ready)
+
+    def _check_source(self, source_id: str, identity_id: str) -> Record:
+        src = self.get_source(source_id)
+        if src["identity_id"] != identity_id:
+            raise ConflictError(f"source {source_id} serves identity {src['identity_id']}, "
+                                f"not {identity_id}")
+        if src["state"] != _S.READY.value:
+            raise ConflictError(f"source {source_id} is {src['state']}, not READY")
+        return src
+
+    def create_transfer(self, identity_id: str, target_worker: str, *,
+                        source_id: str | None = None, policy: str | None = None) -> Record:
+        """Start a transfer (PENDING) of ``identity_id`` to ``target_worker``.
+
+        Raises:
+            NotFoundError: the named source does not exist.
+            ConflictError: no READY source (or the named one is not READY / serves
+                another identity).
+        """
+        if source_id is not None:
+            src = self._check_source(source_id, identity_id)
+        else:
+            src = self._pick_source(identity_id, target_worker, policy or self.default_policy)
+        now = self.clock()
+        record = {
+            "id": uuid.uuid4().hex, "identity_id": identity_id, "target_worker": target_worker,
+            "source_id": src["id"], "source_worker": src["worker_id"],
+            "source_endpoint": src["endpoint"], "state": _T.PENDING.value,
+            "bytes_done": 0, "bytes_total": 0, "rate_bps": 0.0, "error": None,
+            "stop_requested": False, "claimed": False, "restarts": 0,
+            "created_at": now, "updated_at": now, "started_at": None, "finished_at": None,
+        }
+        self.store.create("transfers", record)
+        log.info("transfer %s created: %s from %s to %s", record["id"], identity_id,
+                 src["worker_id"], target_worker)
+        return record
+
+    def get_transfer(self, transfer_id: str) -> Record:
+        """Raises NotFoundError for an unknown id."""
+        rec = self.store.get("transfers", transfer_id)
+        if rec is None:
+            raise NotFoundError(f"transfer {transfer_id} not found")
+        return rec
+
+    def list_transfers(self, *, state: TransferState | None = None,
+                       target_worker: str | None = None, identity_id: str | None = None
+                       ) -> list[Record]:
+        """Transfers matching every given filter, oldest first."""
+        out = [t for t in self.store.list("transfers")
+               if (state is None or t["state"] == state.value)
+               and (target_worker is None or t["target_worker"] == target_worker)
+               and (identity_id is None or t["identity_id"] == identity_id)]
+        return sorted(out, key=lambda t: (t["created_at"], t["id"]))
+
+    def _move(self, transfer_id: str, fn: Callable[[Record], Record]) -> Record:
+        try:
+            return self.store.update("transfers", transfer_id, fn)
+        except NotFoundError:
+            raise NotFoundError(f"transfer {transfer_id} not found") from None
+
+    def progress(self, transfer_id: str, bytes_done: int, bytes_total: int,
+                 rate_bps: float) -> Record:
+        """Record progress; PENDING becomes RUNNING. The caller checks ``stop_requested``.
+
+        Raises:
+            ConflictError: the transfer is finished (SUCCEEDED/FAILED/STOPPED).
+        """
+        now = self.clock()
+
+        def step(t: Record) -> Record:
+            old = _T(t["state"])
+            new = _T.STOPPING if old is _T.STOPPING else _T.RUNNING
+            check_transfer_move(transfer_id, old, new)
+            return {**t, "state": new.value, "bytes_done": bytes_done,
+                    "bytes_total": bytes_total, "rate_bps": rate_bps, "updated_at": now,
+                    "claimed": True, "started_at": t["started_at"] or now}
+
+        return self._move(transfer_id, step)
+
+    def finish(self, transfer_id: str, state: TransferState, error: str | None,
+               bytes_done: int | None) -> Record:
+        """The worker's final report. Repeating the same final state is a no-op
+        (so a client may retry a finish whose reply was lost).
+
+        Raises:
+            ConflictError: illegal move, e.g. SUCCEEDED after a stop was asked.
+        """
+        now = self.clock()
+
+        def end(t: Record) -> Record:
+            old = _T(t["state"])
+            if old is state:
+                return t
+            check_transfer_move(transfer_id, old, state)
+            return {**t, "state": state.value, "updated_at": now, "finished_at": now,
+                    "error": error if state is not _T.SUCCEEDED else None,
+                    "bytes_done": t["bytes_done"] if bytes_done is None else bytes_done}
+
+        rec = self._move(transfer_id, end)
+        log.info("transfer %s finished: %s%s", transfer_id, state.value,
+                 f" ({error})" if error else "")
+        return rec
+
+    def stop(self, transfer_id: str) -> Record:
+        """Ask a transfer to stop. Unclaimed PENDING stops at once; otherwise STOPPING
+        until the worker confirms STOPPED. Stopping a stopping/stopped transfer is a no-op.
+
+        Raises:
+            ConflictError: the transfer already SUCCEEDED or FAILED.
+        """
+        now = self.clock()
+
+        def halt(t: Record) -> Record:
+            old = _T(t["state"])
+            if old in (_T.STOPPING, _T.STOPPED):
+                return t
+            new = _T.STOPPED if old is _T.PENDING and not t["claimed"] else _T.STOPPING
+            check_transfer_move(transfer_id, old, new)
+            return {**t, "state": new.value, "stop_requested": True, "updated_at": now,
+                    "finished_at": now if new is _T.STOPPED else None}
+
+        rec = self._move(transfer_id, halt)
+        log.info("transfer %s stop requested: now %s", transfer_id, rec["state"])
+        return rec
+
+    def restart(self, transfer_id: str) -> Record:
+        """Put a STOPPED or FAILED transfer back to PENDING (same id, counters reset).
+
+        The source is kept while it is READY; otherwise a new one is picked.
+
+        Raises:
+            ConflictError: the transfer is not STOPPED/FAILED, or no READY source.
+        """
+        current = self.get_transfer(transfer_id)
+        try:
+            src = self._check_source(current["source_id"], current["identity_id"])
+        except (NotFoundError, ConflictError):
+            src = self._pick_source(current["identity_id"], current["target_worker"],
+                                    self.default_policy)
+        now = self.clock()
+
+        def again(t: Record) -> Record:
+            check_transfer_move(transfer_id, _T(t["state"]), _T.PENDING)
+            return {**t, "state": _T.PENDING.value, "bytes_done": 0, "rate_bps": 0.0,
+                    "error": None, "stop_requested": False, "claimed": False,
+                    "restarts": t["restarts"] + 1, "updated_at": now, "started_at": None,
+                    "finished_at": None, "source_id": src["id"],
+                    "source_worker": src["worker_id"], "source_endpoint": src["endpoint"]}
+
+        return self._move(transfer_id, again)
+
+    # --- agents --------------------------------------------------------------
+    def register_agent(self, agent_id: str, endpoint: str, labels: dict[str, str]) -> Record:
+        """Register (or re-register) an agent. A re-registering agent is a restarted
+        process: its claimed-but-not-started transfers are released so it gets them again."""
+        now = self.clock()
+        old = self.store.get("agents", agent_id)
+        record = {"id": agent_id, "endpoint": endpoint, "labels": dict(labels),
+                  "registered_at": now, "last_seen": now}
+        self.store.put("agents", record)
+        for t in self.list_transfers(state=_T.PENDING, target_worker=agent_id):
+            if t["claimed"]:
+                try:
+                    self._move(t["id"], lambda r: {**r, "claimed": False}
+                               if r["state"] == _T.PENDING.value else r)
+                except NotFoundError:
+                    continue
+        log.info("agent %s %s (endpoint %r)", agent_id,
+                 "re-registered" if old else "registered", endpoint)
+        return record
+
+    def get_agent(self, agent_id: str) -> Record:
+        """Raises NotFoundError for an unknown agent."""
+        rec = self.store.get("agents", agent_id)
+        if rec is None:
+            raise NotFoundError(f"agent {agent_id} not found; register it with PUT /v1/agents/{agent_id}")
+        return rec
+
+    def claim_assignments(self, agent_id: str) -> list[Record]:
+        """Claim every unclaimed PENDING transfer targeted at ``agent_id``.
+
+        Claiming is atomic, so two pollers (or two replicas) never both get one.
+
+        Raises:
+            NotFoundError: the agent is not registered.
+        """
+        now = self.clock()
+        self.store.update("agents", agent_id, lambda a: {**a, "last_seen": now})
+        claimed = []
+        for t in self.list_transfers(state=_T.PENDING, target_worker=agent_id):
+            if t["claimed"]:
+                continue
+
+            def claim(r: Record) -> Record:
+                if r["state"] != _T.PENDING.value or r["claimed"]:
+                    raise ConflictError("already claimed")
+                return {**r, "claimed": True, "updated_at": now}
+            try:
+                claimed.append(self._move(t["id"], claim))
+            except (ConflictError, NotFoundError):
+                continue  # another poll or a stop got there first
+        return claimed
+
+    def list_agents(self) -> list[Record]:
+        """Every registered agent, by id."""
+        return sorted(self.store.list("agents"), key=lambda a: a["id"])
+
+    # --- housekeeping --------------------------------------------------------
+    def sweep(self) -> dict[str, int]:
+        """Persist STALE for silent sources and delete records older than ``gc_after_s``.
+
+        Safe to run on every replica at once: each change is an atomic update that
+        re-checks its condition.
+
+        Returns:
+            Counts: ``staled``, ``sources_deleted``, ``transfers_deleted``, ``agents_deleted``.
+        """
+        now = self.clock()
+        counts = {"staled": 0, "sources_deleted": 0, "transfers_deleted": 0,
+                  "agents_deleted": 0}
+        for src in self.store.list("sources"):
+            if src["state"] == _S.STALE.value:
+                if now - src["updated_at"] > self.gc_after_s:
+                    self.store.delete("sources", src["id"])
+                    self.store.delete("blobs", src["id"])
+                    counts["sources_deleted"] += 1
+                continue
+            if now - src["last_heartbeat"] > self.stale_after_s:
+                def stale(s: Record) -> Record:
+                    if s["state"] == _S.STALE.value or now - s["last_heartbeat"] <= self.stale_after_s:
+                        return s  # revived or already marked meanwhile
+                    return {**s, "state": _S.STALE.value, "updated_at": now}
+                try:
+                    self.store.update("sources", src["id"], stale)
+                    counts["staled"] += 1
+                except NotFoundError:
+                    continue
+        for t in self.store.list("transfers"):
+            if t["state"] in {s.value for s in TERMINAL} and now - t["updated_at"] > self.gc_after_s:
+                counts["transfers_deleted"] += self.store.delete("transfers", t["id"])
+        for a in self.store.list("agents"):
+            if now - a["last_seen"] > self.gc_after_s:
+                counts["agents_deleted"] += self.store.delete("agents", a["id"])
+        if any(counts.values()):
+            log.info("sweep: %s", counts)
+        return counts
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Sources and transfers by (effective) state, for metrics."""
+        now = self.clock()
+        sources = {s.value: 0 for s in SourceState}
+        for src in self.store.list("sources"):
+            sources[self._effective(src, now)["state"]] += 1
+        transfers = {s.value: 0 for s in TransferState}
+        for t in self.store.list("transfers"):
+            transfers[t["state"]] += 1
+        return sources, transfers

@@ -1,0 +1,93 @@
+"""The store interface: JSON documents in named collections, with atomic updates.
+
+The server keeps three small collections (``sources``, ``blobs`` for the large
+manifest + agent metadata of a source, ``transfers``, ``agents``). Every record is
+a JSON object with an ``"id"`` key. State machines live in the app layer; the store
+only guarantees that :meth:`Store.update` is atomic: the function sees the current
+record and its result is written only if nobody changed the record in between. That
+one primitive is what makes "two replicas cannot both move a transfer" true on
+Redis (WATCH/MULTI) and on SQLite (``BEGIN IMMEDIATE``).
+
+Why documents and not columns: the records are small, their fields evolve with the
+API, and both backends then share one code path for every state machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
+
+from modelexpress.errors import ConfigError
+
+__all__ = ["Collection", "COLLECTIONS", "Record", "Store", "open_store"]
+
+Collection = Literal["sources", "blobs", "transfers", "agents"]
+COLLECTIONS: tuple[Collection, ...] = ("sources", "blobs", "transfers", "agents")
+Record = dict[str, Any]
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Persistent, shared state of the control plane.
+
+    Implementations are thread-safe (the app calls them from a thread pool) and
+    raise :class:`~modelexpress.errors.StoreError` when the backend fails.
+    """
+
+    url: str
+    """Where the data lives, without credentials (for health and logs)."""
+
+    def get(self, coll: Collection, key: str) -> Record | None:
+        """Return the record or None."""
+
+    def list(self, coll: Collection) -> list[Record]:
+        """Return every record of a collection (unordered)."""
+
+    def create(self, coll: Collection, record: Record) -> None:
+        """Insert a record; :class:`ConflictError` if its id exists."""
+
+    def put(self, coll: Collection, record: Record) -> None:
+        """Insert or replace a record."""
+
+    def update(self, coll: Collection, key: str,
+               fn: Callable[[Record], Record]) -> Record:
+        """Atomically replace a record with ``fn(current)`` and return the new one.
+
+        ``fn`` may raise (e.g. :class:`ConflictError` for an illegal move); then
+        nothing is written and the exception propagates. ``fn`` may run more than
+        once when a concurrent writer got in between, so it must be pure.
+
+        Raises:
+            NotFoundError: no such record.
+            ConflictError: the record kept changing under us (retries exhausted).
+        """
+
+    def delete(self, coll: Collection, key: str) -> bool:
+        """Delete a record; return whether it existed."""
+
+    def ping(self) -> None:
+        """Raise :class:`StoreError` when the backend is unusable."""
+
+    def close(self) -> None:
+        """Release connections; idempotent."""
+
+
+def open_store(url: str) -> Store:
+    """Build a store from a URL (``sqlite:///PATH`` or ``redis://HOST:PORT/DB``).
+
+    Args:
+        url: the ``MX_STORE`` setting.
+
+    Returns:
+        An open store.
+
+    Raises:
+        ConfigError: the URL scheme is not one of the two supported.
+        StoreError: the backend cannot be opened.
+    """
+    if url.startswith("sqlite:///"):
+        from modelexpress.server.store.sqlite import SqliteStore
+        return SqliteStore(url[len("sqlite:///"):])
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from modelexpress.server.store.redis import RedisStore
+        return RedisStore(url)
+    raise ConfigError(f"store URL must start with sqlite:/// or redis:// (got {url!r})")
