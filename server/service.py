@@ -116,7 +116,11 @@ class ControlPlane:
             check_source_move(source_id, old, new)
             return {**src, "state": new.value, "last_heartbeat": now, "updated_at": now}
 
-        return self.store.update("sources", source_id, beat)
+        try:
+            return self.store.update("sources", source_id, beat)
+        except NotFoundError:
+            raise NotFoundError(f"source {source_id} not found (never published, deleted, "
+                                "or collected after being STALE): publish it again") from None
 
     def get_source(self, source_id: str, *, with_blob: bool = False) -> Record:
         """Return a source (effective state), optionally with manifest and metadata.
@@ -367,7 +371,11 @@ class ControlPlane:
             NotFoundError: the agent is not registered.
         """
         now = self.clock()
-        self.store.update("agents", agent_id, lambda a: {**a, "last_seen": now})
+        try:
+            self.store.update("agents", agent_id, lambda a: {**a, "last_seen": now})
+        except NotFoundError:
+            raise NotFoundError(f"agent {agent_id} not found; register it with "
+                                f"PUT /v1/agents/{agent_id}") from None
         claimed = []
         for t in self.list_transfers(state=_T.PENDING, target_worker=agent_id):
             if t["claimed"]:

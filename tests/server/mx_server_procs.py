@@ -1,0 +1,136 @@
+"""Real processes for the control-plane tests: a uvicorn server and Debian's redis-server.
+
+Both bind 127.0.0.1 on a free port, log to a file under the test's temp dir, and
+are waited for with a deadline; ``kill()`` is SIGKILL (for the restart test),
+``stop()`` a graceful SIGTERM with a bounded wait.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+__all__ = ["free_port", "ServerProc", "RedisProc", "TOKEN"]
+
+TOKEN = "test-token-7f3a"
+_START_DEADLINE_S = 60.0  # a loaded 2-core machine imports fastapi slowly
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    """``python -m modelexpress.server`` in a subprocess.
+
+    Args:
+        store: store URL.
+        log_dir: where ``server-<port>.log`` goes.
+        token: MX_SERVER_TOKEN, or None for no auth.
+        env: more MX_* settings.
+    """
+
+    def __init__(self, store: str, log_dir: pathlib.Path, *, token: str | None = TOKEN,
+                 env: dict[str, str] | None = None) -> None:
+        self.store = store
+        self.token = token
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        self._env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
+        self._env.update(env or {})
+        if token:
+            self._env["MX_SERVER_TOKEN"] = token
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "ServerProc":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "modelexpress.server", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--store", self.store],
+                stdout=log, stderr=subprocess.STDOUT, env=self._env)
+        deadline = time.monotonic() + _START_DEADLINE_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/v1/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"server on {self.url} not healthy after "
+                                   f"{_START_DEADLINE_S} s:\n{self.log()}")
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs (the restart test's crash)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 15 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+class RedisProc:
+    """Debian's ``redis-server`` on a free port, persistence off, in ``workdir``."""
+
+    def __init__(self, workdir: pathlib.Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.log_path = workdir / f"redis-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
+             "--save", "", "--appendonly", "no", "--daemonize", "no",
+             "--logfile", str(self.log_path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        import redis
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0)
+        deadline = time.monotonic() + 20.0
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"redis-server on port {self.port} not up after 20 s")
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
