@@ -61,6 +61,17 @@ if os.path.exists(_EXT_SOURCE) and os.environ.get("MX_BUILD_EXT", "1") != "0":
         extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden"],
     ))
 
+# Release/acquire atomics for the shm tensor arena (plain C, no libtorch). Optional
+# like the VMM extension: without it modelexpress.shm_arena falls back to Python
+# fences with weaker ordering guarantees (documented in shm_arena/atomics.py).
+_ATOMICS_SOURCE = os.path.join("modelexpress", "shm_arena", "_atomics.c")
+if os.path.exists(_ATOMICS_SOURCE) and os.environ.get("MX_BUILD_EXT", "1") != "0":
+    ext_modules.append(Extension(
+        "modelexpress.shm_arena._atomics",
+        sources=[_ATOMICS_SOURCE],
+        extra_compile_args=["-O2", "-fvisibility=hidden"],
+    ))
+
 packages, package_dir = _packages()
 setup(
     packages=packages,

@@ -113,6 +113,14 @@ class MxSettings(BaseSettings):
         2048 * _MIB, "shm", "Size of each shared-memory tensor arena in /dev/shm.", gt=0)
     shm_min_tensor_bytes: int = _field(
         8 * _MIB, "shm", "Smaller tensors take the normal path.", gt=0)
+    shm_arena_min_readers: int = _field(
+        2, "shm",
+        "Only queues with at least this many node-local readers get an arena (the one-reader "
+        "worker response queues do not need one).", ge=1)
+    shm_arena_prefault: bool = _field(
+        True, "shm",
+        "Fault each arena's pages in at creation (background thread) so no message pays "
+        "first-touch page allocation; the arena then occupies its full size in /dev/shm.")
 
     @field_validator("store")
     @classmethod

@@ -3,4 +3,6 @@
 Importing this package does not import vLLM; each entry point imports it inside.
 """
 
-__all__: list[str] = []
+from modelexpress.engines.vllm.shm import install_shm_tensor_arena, uninstall_shm_tensor_arena
+
+__all__: list[str] = ["install_shm_tensor_arena", "uninstall_shm_tensor_arena"]

@@ -1,0 +1,54 @@
+"""The ``vllm.general_plugins`` entry point: ``modelexpress.engines.vllm.plugin:register``.
+
+vLLM calls every general plugin in the engine process and again in each worker
+(``init_worker`` loads them before the worker's queues are created from their
+handles), so :func:`register` is idempotent and cheap, and imports vLLM only
+inside the function (``import modelexpress`` stays light).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+__all__ = ["register"]
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_registered = False
+
+
+def register() -> None:
+    """Hook modelexpress into vLLM according to ``MxSettings`` (``MX_*`` environment).
+
+    * ``MX_SHM_TENSOR_ARENA=1``: every ``MessageQueue`` created afterwards routes
+      large CPU tensors through the modelexpress shm tensor arena.
+
+    Raises:
+        ShmArenaError: the arena was requested on an unsupported vLLM version
+            (a request the user made explicitly must not be ignored silently).
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        from modelexpress.settings import MxSettings
+        settings = MxSettings()
+
+        # --- model loader -----------------------------------------------------
+        # Reserved for the `mx` load format: the loader helper adds its
+        # registration here (e.g. register_mx_loader(settings)). This module
+        # deliberately registers no loader itself.
+
+        # --- shm tensor arena --------------------------------------------------
+        if settings.shm_tensor_arena:
+            from modelexpress.engines.vllm.shm import install_shm_tensor_arena
+            install_shm_tensor_arena(
+                arena_bytes=settings.shm_arena_bytes,
+                min_tensor_bytes=settings.shm_min_tensor_bytes,
+                min_readers=settings.shm_arena_min_readers,
+                prefault=settings.shm_arena_prefault,
+            )
+        _registered = True
+    log.debug("modelexpress vLLM plugin registered (shm arena: %s)", settings.shm_tensor_arena)

@@ -1,0 +1,147 @@
+/* Release/acquire atomics and page population over a Python buffer.
+ *
+ * Python has no atomics: a memoryview byte write is a plain store the compiler
+ * and the CPU may reorder around the tensor memcpy that precedes it (vLLM had to
+ * add fences to its ring buffer for exactly this: PRs #29819 and #40303). The
+ * shared-memory tensor arena therefore does every cross-process flag access
+ * through these functions, which compile to the C11/GCC atomic builtins.
+ *
+ * Every function takes a buffer-exporting object (the arena's mmap) and a byte
+ * offset, checks bounds and 8-byte alignment, and holds the buffer export for
+ * the duration of the call, so the mapping cannot be closed underneath it.
+ * No Python exception is left pending on a success path; errors are
+ * ValueError/BufferError/OSError raised before anything is touched.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux >= 5.14 */
+#endif
+
+static int
+word_at(PyObject *obj, Py_ssize_t off, int writable, Py_buffer *view, uint64_t **word)
+{
+    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
+        return -1;
+    if (off < 0 || off > view->len - 8) {
+        PyErr_Format(PyExc_ValueError, "offset %zd outside the %zd-byte buffer", off, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    uintptr_t addr = (uintptr_t)view->buf + (uintptr_t)off;
+    if (addr % 8 != 0) {
+        PyErr_Format(PyExc_ValueError, "offset %zd is not 8-byte aligned", off);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    *word = (uint64_t *)addr;
+    return 0;
+}
+
+static PyObject *
+load_acquire(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t off;
+    Py_buffer view;
+    uint64_t *word;
+    if (!PyArg_ParseTuple(args, "On:load_acquire", &obj, &off))
+        return NULL;
+    if (word_at(obj, off, 0, &view, &word) < 0)
+        return NULL;
+    uint64_t value = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(value);
+}
+
+static PyObject *
+store_release(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t off;
+    unsigned long long value;
+    Py_buffer view;
+    uint64_t *word;
+    if (!PyArg_ParseTuple(args, "OnK:store_release", &obj, &off, &value))
+        return NULL;
+    if (word_at(obj, off, 1, &view, &word) < 0)
+        return NULL;
+    __atomic_store_n(word, (uint64_t)value, __ATOMIC_RELEASE);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+/* populate(buf, start, length) -> "madvise" | "touch"
+ *
+ * Faults the range in writable without changing a byte: MADV_POPULATE_WRITE
+ * where the kernel has it, else an atomic fetch_add(0) per page (an atomic
+ * read-modify-write of +0 cannot lose a concurrent store, unlike a plain
+ * read-then-write of the old value). The GIL is released: populating 2 GiB of
+ * fresh tmpfs pages takes a few hundred ms and must not stall other threads.
+ */
+static PyObject *
+populate(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t start, length;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "Onn:populate", &obj, &start, &length))
+        return NULL;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    long page = sysconf(_SC_PAGESIZE);
+    if (start < 0 || length < 0 || start > view.len - length || start % page != 0) {
+        PyErr_Format(PyExc_ValueError, "bad range [%zd, +%zd) of a %zd-byte buffer",
+                     start, length, view.len);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    char *base = (char *)view.buf + start;
+    int rc, err = 0, touched = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = length ? madvise(base, (size_t)length, MADV_POPULATE_WRITE) : 0;
+    if (rc != 0) {
+        err = errno;
+        if (err == EINVAL) { /* kernel without MADV_POPULATE_WRITE */
+            for (Py_ssize_t i = 0; i < length; i += page)
+                __atomic_fetch_add((uint64_t *)(base + i), 0, __ATOMIC_RELAXED);
+            touched = 1;
+            err = 0;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (err != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyUnicode_FromString(touched ? "touch" : "madvise");
+}
+
+static PyMethodDef methods[] = {
+    {"load_acquire", load_acquire, METH_VARARGS,
+     "load_acquire(buf, offset) -> int: atomic 64-bit load with acquire ordering."},
+    {"store_release", store_release, METH_VARARGS,
+     "store_release(buf, offset, value): atomic 64-bit store with release ordering."},
+    {"populate", populate, METH_VARARGS,
+     "populate(buf, start, length) -> str: fault pages in writable, contents unchanged."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_atomics",
+    "Release/acquire atomics for modelexpress.shm_arena.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__atomics(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,118 @@
+"""64-bit release/acquire atomics on shared memory, and page population.
+
+The arena protocol (see :mod:`modelexpress.shm_arena.arena`) needs two things
+Python cannot express: a store that becomes visible only after every earlier
+store (the tensor bytes) is visible (*release*), and a load after which every
+later load sees what the releasing process wrote before it (*acquire*). A
+memoryview byte write is neither: CPython turns it into a plain ``memcpy`` the C
+compiler and a weakly ordered CPU may reorder. vLLM's ring buffer learned this
+the hard way and added fences afterwards (vLLM PRs #29819 and #40303).
+
+``NATIVE`` is True when the C extension ``_atomics`` (built by ``setup.py``,
+optional) is importable: then :func:`load_acquire` / :func:`store_release`
+compile to ``__atomic_load_n(ACQUIRE)`` / ``__atomic_store_n(RELEASE)`` on an
+8-byte aligned word, which is correct on every architecture GCC supports.
+
+Without the extension a pure-Python fallback is used, and it is WEAKER: it
+brackets ``struct.pack_into``/``unpack_from`` with a full fence (taking and
+releasing a ``threading.Lock``, the same trick vLLM's ``memory_fence`` uses).
+On x86-64 (total store order) that is sufficient in practice; on weakly ordered
+CPUs (ARM, POWER) it is not formally guaranteed, and an 8-byte ``memcpy`` is not
+guaranteed to be a single, untorn store. Build the extension (any C compiler)
+for production use on such machines; ``modelexpress doctor`` reports which one
+is in use.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import threading
+from typing import Any
+
+__all__ = ["NATIVE", "load_acquire", "store_release", "populate", "fence"]
+
+try:
+    from modelexpress.shm_arena import _atomics as _native
+except ImportError as _exc:  # the extension is optional (no compiler at install time)
+    if getattr(_exc, "name", None) not in (None, "modelexpress.shm_arena._atomics"):
+        raise
+    _native = None
+
+NATIVE: bool = _native is not None
+
+_U64 = struct.Struct("=Q")
+_fence_lock = threading.Lock()
+# MADV_POPULATE_WRITE (Linux >= 5.14); Python 3.11's mmap module lacks the constant.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def fence() -> None:
+    """Full memory barrier (lock acquire + release). Only the fallback needs it."""
+    with _fence_lock:
+        pass
+
+
+def _check(buf: Any, offset: int) -> None:
+    if offset % 8 or offset < 0 or offset + 8 > len(buf):
+        raise ValueError(f"offset {offset} is not an aligned word inside {len(buf)} bytes")
+
+
+def load_acquire(buf: Any, offset: int) -> int:
+    """Atomically load the 64-bit word at ``offset`` with acquire ordering.
+
+    Args:
+        buf: a writable buffer over the shared mapping (the arena's ``mmap``).
+        offset: byte offset, a multiple of 8.
+
+    Returns:
+        The word's value.
+
+    Raises:
+        ValueError: the offset is unaligned or out of range.
+    """
+    if _native is not None:
+        return _native.load_acquire(buf, offset)
+    _check(buf, offset)
+    value = _U64.unpack_from(buf, offset)[0]
+    fence()  # later loads must not move above this one
+    return value
+
+
+def store_release(buf: Any, offset: int, value: int) -> None:
+    """Atomically store ``value`` at ``offset`` with release ordering.
+
+    Every store this process made before the call (e.g. the tensor bytes) is
+    visible to a process that reads ``value`` with :func:`load_acquire`.
+
+    Raises:
+        ValueError: the offset is unaligned or out of range.
+    """
+    if _native is not None:
+        _native.store_release(buf, offset, value)
+        return
+    _check(buf, offset)
+    fence()  # earlier stores must not move below this one
+    _U64.pack_into(buf, offset, value)
+    fence()
+
+
+def populate(mm: mmap.mmap, start: int, length: int) -> str:
+    """Fault ``[start, start+length)`` of a shared mapping in writable, bytes unchanged.
+
+    Safe to run in a background thread while the writer copies tensors into the
+    same range: neither path changes a byte it did not mean to.
+
+    Returns:
+        ``"madvise"`` (MADV_POPULATE_WRITE), ``"touch"`` (per-page atomic add of
+        zero, old kernels, native only) or ``"python"`` (fallback madvise, which
+        holds the GIL while it runs).
+
+    Raises:
+        OSError: the kernel refused (e.g. tmpfs out of space: ENOMEM/EFAULT).
+    """
+    if _native is not None:
+        return _native.populate(mm, start, length)
+    if length:
+        mm.madvise(_MADV_POPULATE_WRITE, start, length)
+    return "python"
