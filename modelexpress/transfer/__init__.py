@@ -1,0 +1,53 @@
+"""NIXL data plane: registration strategies, coalesced chunked READ, integrity, transports.
+
+Importing this package does not import NIXL or torch; they load on first use.
+``nixl_adapter`` is the only module that touches NIXL names.
+"""
+
+from __future__ import annotations
+
+from modelexpress.transfer.digest import ALGORITHMS, BLAKE2B, WSUM
+from modelexpress.transfer.manager import (
+    NixlTransferManager,
+    ProgressCallback,
+    RegistrationInfo,
+    StopSignal,
+    TransferResult,
+)
+from modelexpress.transfer.manifest import Manifest, TensorEntry, build_manifest
+from modelexpress.transfer.planner import ReadPlan, plan_read
+from modelexpress.transfer.registration import Strategy, choose_arena_strategy
+from modelexpress.transfer.transport import (
+    FLOORS_GBPS,
+    METRICS,
+    TransportVerdict,
+    UcxLogFacts,
+    assess,
+    expected_transport,
+    parse_ucx_log,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "BLAKE2B",
+    "WSUM",
+    "FLOORS_GBPS",
+    "METRICS",
+    "Manifest",
+    "NixlTransferManager",
+    "ProgressCallback",
+    "ReadPlan",
+    "RegistrationInfo",
+    "StopSignal",
+    "Strategy",
+    "TensorEntry",
+    "TransferResult",
+    "TransportVerdict",
+    "UcxLogFacts",
+    "assess",
+    "build_manifest",
+    "choose_arena_strategy",
+    "expected_transport",
+    "parse_ucx_log",
+    "plan_read",
+]

@@ -1,0 +1,119 @@
+"""Per-tensor digests, computed where the tensor lives.
+
+Two algorithms, named in the manifest so that source and target agree:
+
+``blake2b-128``
+    :func:`hashlib.blake2b` over the tensor's bytes (a zero-copy numpy view; hashlib
+    releases the GIL). ~0.9 GB/s per core here. CPU tensors only.
+
+``wsum-i32-v1``
+    A position-weighted sum over the bytes viewed as int32 words ``w[j]``:
+    ``a = sum(w[j])`` and ``b = sum((j + 1) * w[j])``, both modulo 2**64, plus the
+    byte count. Integer addition is associative modulo 2**64, so the result is exact
+    and identical on any device and in any reduction order: a GPU source and a CPU
+    target agree bit for bit. It is computed with torch on the tensor's own device
+    (no device-to-host copy of the data: only two int64 scalars come back), in
+    bounded chunks so the int64 temporaries stay small. Any single changed word
+    changes ``a`` (|delta| < 2**32 is never 0 mod 2**64); swapped words change ``b``.
+    It is an integrity check against transfer faults, not a cryptographic hash.
+
+The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``blake2b-128``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from modelexpress.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ALGORITHMS", "BLAKE2B", "WSUM", "default_algorithm", "digest", "can_compute"]
+
+BLAKE2B = "blake2b-128"
+WSUM = "wsum-i32-v1"
+ALGORITHMS = (BLAKE2B, WSUM)
+
+# Words per reduction step: 2**24 int32 words = 64 MiB of input, 128 MiB of int64
+# temporaries. Bounded so a 4 GiB tensor does not need 8 GiB of scratch.
+_CHUNK_WORDS = 1 << 24
+_MASK = (1 << 64) - 1
+
+
+def default_algorithm(tensors: Iterable[torch.Tensor]) -> str:
+    """``wsum-i32-v1`` if any tensor is on a GPU (it must be hashed there), else blake2b."""
+    return WSUM if any(t.device.type != "cpu" for t in tensors) else BLAKE2B
+
+
+def can_compute(algorithm: str, tensor: torch.Tensor) -> bool:
+    """Whether ``algorithm`` can be computed where ``tensor`` lives without copying it."""
+    if algorithm == WSUM:
+        return True
+    return algorithm == BLAKE2B and tensor.device.type == "cpu"
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    import torch
+    t = tensor if tensor.is_contiguous() else tensor.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+
+
+def _blake2b(tensor: torch.Tensor) -> str:
+    raw = _flat_bytes(tensor)
+    h = hashlib.blake2b(digest_size=16)
+    if raw.numel():
+        h.update(memoryview(raw.numpy()))
+    return f"{h.hexdigest()}:{raw.numel()}"
+
+
+def _wsum(tensor: torch.Tensor) -> str:
+    import torch
+    raw = _flat_bytes(tensor)
+    nbytes = raw.numel()
+    whole = nbytes - nbytes % 4
+    if raw.storage_offset() % 4:
+        raw = raw.clone()  # int32 view needs 4-byte alignment; rare (views at odd offsets)
+    words = raw[:whole].view(torch.int32)
+    a = torch.zeros((), dtype=torch.int64, device=raw.device)
+    b = torch.zeros((), dtype=torch.int64, device=raw.device)
+    steps = torch.arange(1, min(_CHUNK_WORDS, max(words.numel(), 1)) + 1,
+                         dtype=torch.int64, device=raw.device)
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        chunk = words[start:start + _CHUNK_WORDS].to(torch.int64)
+        s = chunk.sum()
+        # sum((start + i + 1) * w) = sum((i + 1) * w) + start * sum(w); int64 wraps mod 2**64.
+        b += (chunk * steps[:chunk.numel()]).sum() + s * start
+        a += s
+    av, bv = int(a.item()) & _MASK, int(b.item()) & _MASK
+    if whole != nbytes:  # the 1-3 tail bytes, read on the device then moved (<= 3 bytes)
+        tail = int.from_bytes(bytes(raw[whole:].cpu().tolist()), "little")
+        av = (av + tail) & _MASK
+        bv = (bv + tail * (words.numel() + 1)) & _MASK
+    return f"{av:016x}{bv:016x}:{nbytes}"
+
+
+def digest(tensor: torch.Tensor, algorithm: str) -> str:
+    """Digest of ``tensor``'s bytes, computed on its device.
+
+    Args:
+        tensor: any tensor (non-contiguous tensors are hashed in logical order).
+        algorithm: one of :data:`ALGORITHMS`.
+
+    Returns:
+        A hex string with the byte count appended (``"<hex>:<nbytes>"``).
+
+    Raises:
+        ConfigError: unknown algorithm, or blake2b asked of a GPU tensor.
+    """
+    if algorithm == WSUM:
+        return _wsum(tensor)
+    if algorithm == BLAKE2B:
+        if tensor.device.type != "cpu":
+            raise ConfigError(
+                f"{BLAKE2B} is CPU-only and the tensor is on {tensor.device}; use {WSUM} "
+                "(computed on the GPU) for GPU tensors")
+        return _blake2b(tensor)
+    raise ConfigError(f"unknown digest algorithm {algorithm!r}; allowed: {', '.join(ALGORITHMS)}")
