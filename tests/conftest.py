@@ -29,7 +29,10 @@ def _has(module: str) -> bool:
 
 _REASONS = {
     "gpu": (_cuda_available, "no CUDA device (CI machines have none; run on the GPU machine)"),
-    "nixl": (lambda: _has("nixl"), "nixl is not installed (pip install 'modelexpress[nixl]')"),
+    # The nixl-cu12 / nixl-cu13 wheels install their module as nixl_cu12 / nixl_cu13;
+    # only the `nixl` meta package provides the plain name.
+    "nixl": (lambda: any(_has(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")),
+             "nixl is not installed (pip install 'modelexpress[nixl]')"),
     "vllm": (lambda: _has("vllm"), "vllm is not installed (see scripts/dev)"),
     "redis": (lambda: shutil.which("redis-server") is not None and _has("redis"),
               "redis-server (Debian package) or the redis client is missing"),
