@@ -58,7 +58,11 @@ class RedisStore:
                                             socket_connect_timeout=socket_timeout_s,
                                             decode_responses=True)
         self._closed = False
-        self.ping()
+        try:
+            self.ping()
+        except StoreError:
+            self.close()
+            raise
 
     def _key(self, coll: Collection, key: str) -> str:
         return f"{self._prefix}:{coll}:{key}"
