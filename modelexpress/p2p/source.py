@@ -1,0 +1,199 @@
+"""The serving side of a peer-to-peer pull: register, publish, heartbeat, withdraw.
+
+A source is passive: targets READ its memory one-sided. It still has to drive its
+NIXL worker (``enable_prog_thread=False``, DESIGN.md) so peers can connect, and it
+has to keep telling the control plane it is alive. :class:`SourceHandle` owns both
+background threads and withdraws the source (STALE) on close, on SIGTERM (through
+the CLI's handler) and when its data plane fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Mapping
+
+from modelexpress.errors import ControlPlaneError, MxError, NotFoundError
+
+if TYPE_CHECKING:
+    import torch
+
+    from modelexpress.client import MxClient
+    from modelexpress.identity import ModelIdentity
+    from modelexpress.transfer import NixlTransferManager, RegistrationInfo
+
+__all__ = ["SourceHandle", "serve_source", "default_worker_id"]
+
+log = logging.getLogger(__name__)
+
+
+def default_worker_id(role: str) -> str:
+    """A worker id unique per process: ``<role>-<host>-<pid>-<random>``."""
+    host = socket.gethostname().split(".")[0][:40] or "host"
+    return f"{role}-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class SourceHandle:
+    """A published source. Close it (or use it as a context manager) to withdraw.
+
+    Attributes:
+        source_id: the control plane's id of this source.
+        worker_id: this worker's id.
+        identity: what is served.
+        manager: the NIXL manager whose registered memory is served.
+        registration: what registration did (strategy, regions, bytes, seconds).
+        manifest_bytes: size of the published manifest.
+    """
+
+    def __init__(self, *, client: "MxClient", identity: "ModelIdentity", source_id: str,
+                 worker_id: str, manager: "NixlTransferManager",
+                 registration: "RegistrationInfo", manifest_bytes: int,
+                 heartbeat_interval_s: float, owns_manager: bool) -> None:
+        self.client = client
+        self.identity = identity
+        self.source_id = source_id
+        self.worker_id = worker_id
+        self.manager = manager
+        self.registration = registration
+        self.manifest_bytes = manifest_bytes
+        self._owns_manager = owns_manager
+        self._interval = heartbeat_interval_s
+        self._stop = threading.Event()
+        self._closed = False
+        self._failure: str | None = None
+        self._thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                        name=f"mx-heartbeat-{source_id[:8]}")
+        self._thread.start()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the source withdrew itself (data-plane failure), or None."""
+        return self._failure
+
+    def _data_plane_alive(self) -> bool:
+        thread = getattr(self.manager, "_progress_thread", None)
+        return thread is not None and thread.is_alive()
+
+    def _heartbeat_loop(self) -> None:
+        # Heartbeats are the liveness signal the server uses to pick sources; a
+        # failed heartbeat is retried at the next tick (the client already retried
+        # connection errors), and a dead progress thread withdraws the source: a
+        # target reading from it would only time out.
+        while not self._stop.wait(self._interval):
+            if not self._data_plane_alive():
+                self._failure = "the NIXL progress thread stopped (data-plane failure)"
+                log.error("source %s: %s; marking it STALE", self.source_id, self._failure)
+                self._withdraw()
+                return
+            try:
+                self.client.heartbeat(self.source_id)
+            except NotFoundError:
+                # collected after a long outage: the server forgot us; publish again
+                log.warning("source %s was collected by the server; it no longer serves",
+                            self.source_id)
+                return
+            except ControlPlaneError as exc:
+                log.warning("heartbeat of source %s failed: %s (retrying in %.1f s)",
+                            self.source_id, exc, self._interval)
+
+    def _withdraw(self) -> None:
+        try:
+            self.client.mark_stale(self.source_id)
+        except MxError as exc:
+            log.warning("could not mark source %s STALE: %s", self.source_id, exc)
+
+    def close(self) -> None:
+        """Withdraw (STALE), stop heartbeats, stop serving. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._failure is None:
+            self._withdraw()
+        self._thread.join(timeout=self._interval + 5.0)
+        if self._owns_manager:
+            self.manager.close()
+        else:
+            self.manager.stop_progress_thread()
+        log.info("source %s (%s) withdrawn", self.source_id, self.identity.model)
+
+    def __enter__(self) -> "SourceHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # noqa: BLE001 - a finalizer must never raise
+            pass
+
+
+def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"], *,
+                 client: "MxClient", arena: Any = None,
+                 manager: "NixlTransferManager | None" = None,
+                 worker_id: str | None = None, endpoint: str = "",
+                 heartbeat_interval_s: float = 5.0, digests: bool = True,
+                 digest_algorithm: str | None = None,
+                 single_region: bool = False) -> SourceHandle:
+    """Register ``tensors`` with NIXL and publish them as a READY source.
+
+    Args:
+        identity: what the tensors are (model, revision, dtype, layout, rank).
+        tensors: name -> tensor, in load order (contiguous; CPU or GPU).
+        client: control-plane client.
+        arena: the VMM arena the tensors live in, if any; registration then picks the
+            strategy the transport supports (``register_arena``).
+        manager: an existing NIXL manager (its registrations are reused); a new one
+            is created (and owned) when None.
+        worker_id: this worker's id; unique per process by default.
+        endpoint: free-form "how to reach me" shown in listings.
+        heartbeat_interval_s: ``MX_HEARTBEAT_INTERVAL_S``.
+        digests: publish per-tensor digests so targets can verify.
+        digest_algorithm: force a digest algorithm (``wsum-i32-v1`` works on CPU and
+            GPU; the default is chosen by where the tensors live).
+        single_region: ``MX_ARENA_SINGLE_MR``: force one region over the arena.
+
+    Returns:
+        A :class:`SourceHandle`; close it to withdraw.
+
+    Raises:
+        RegistrationError, ConfigError: registration or manifest failed.
+        ControlPlaneError: publishing failed (the registration is undone).
+    """
+    from modelexpress.transfer import NixlTransferManager
+
+    owns = manager is None
+    mgr = manager or NixlTransferManager()
+    try:
+        t0 = time.perf_counter()
+        if arena is not None:
+            registration = mgr.register_arena(arena, tensors, force_single_region=single_region)
+        else:
+            registration = mgr.register_tensors(tensors)
+        manifest = mgr.build_manifest(tensors, digests=digests,
+                                      digest_algorithm=digest_algorithm)
+        manifest_json = manifest.to_json()
+        mgr.start_progress_thread()
+        wid = worker_id or default_worker_id("source")
+        info = client.publish_source(identity, wid, manifest=json.loads(manifest_json),
+                                     agent_metadata=mgr.get_agent_metadata(),
+                                     endpoint=endpoint or f"{socket.gethostname()}:{mgr.name}")
+    except BaseException:
+        if owns:
+            mgr.close()
+        raise
+    log.info("source %s serving %s: %d tensors, %d bytes, %d %s regions, published in %.3f s",
+             info.id, identity.model, len(manifest.tensors), manifest.total_bytes,
+             registration.regions, registration.strategy, time.perf_counter() - t0)
+    return SourceHandle(client=client, identity=identity, source_id=info.id, worker_id=wid,
+                        manager=mgr, registration=registration,
+                        manifest_bytes=len(manifest_json),
+                        heartbeat_interval_s=heartbeat_interval_s, owns_manager=owns)

@@ -1,0 +1,395 @@
+"""The pulling side: find READY sources, validate, READ, verify, retry, stripe.
+
+``pull`` never reports a half-filled tensor as loaded: it returns only when every
+requested tensor arrived and (by default) matched its digest; on any failure it
+raises, and the caller must treat the destination tensors as garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+from modelexpress.errors import (ConfigError, ManifestMismatchError, MxError, NoSourceError,
+                                 TransferCancelledError, TransferError, TransferTimeoutError)
+from modelexpress.p2p.selection import order_sources, source_load
+
+if TYPE_CHECKING:
+    import torch
+
+    from modelexpress.client import MxClient, SourceInfo
+    from modelexpress.identity import ModelIdentity
+    from modelexpress.transfer import Manifest, NixlTransferManager, StopSignal
+
+__all__ = ["PullResult", "SkippedSource", "pull", "allocate_like", "manifest_of"]
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedSource:
+    """A source that was tried (or passed over) and why."""
+
+    source_id: str
+    worker_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PullResult:
+    """Outcome of a successful :func:`pull`.
+
+    Attributes:
+        source_ids: the source(s) the bytes came from (several when striped).
+        bytes: bytes received.
+        seconds: wall time from the first READ to the last byte (validation and
+            control-plane calls excluded; ``total_seconds`` includes them).
+        gbps: bytes / seconds / 1e9.
+        transport: transport(s) in use as reported by the data plane.
+        descriptors: NIXL descriptors posted (after coalescing).
+        tensors: tensors received.
+        verified: every tensor's digest was checked and matched.
+        skipped: sources skipped, with reasons.
+        warnings: data-plane warnings (e.g. a slow transport).
+        total_seconds: wall time of the whole call.
+    """
+
+    source_ids: tuple[str, ...]
+    bytes: int
+    seconds: float
+    gbps: float
+    transport: str
+    descriptors: int
+    tensors: int
+    verified: bool
+    skipped: tuple[SkippedSource, ...]
+    warnings: tuple[str, ...]
+    total_seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form (for ``--json`` output)."""
+        data = dataclasses.asdict(self)
+        data["skipped"] = [dataclasses.asdict(s) for s in self.skipped]
+        return data
+
+
+def manifest_of(info: "SourceInfo") -> "Manifest":
+    """The transfer-layer manifest of a source fetched with ``get_source``.
+
+    Raises:
+        ManifestMismatchError: the stored manifest is missing or malformed.
+    """
+    from modelexpress.transfer import Manifest
+
+    if info.manifest is None:
+        raise ManifestMismatchError(f"source {info.id} has no manifest (fetch it with get_source)")
+    return Manifest.from_json(json.dumps(info.manifest))
+
+
+def allocate_like(manifest: "Manifest", device: str = "cpu") -> dict[str, "torch.Tensor"]:
+    """Empty destination tensors matching a manifest (names, dtypes, shapes), in its order."""
+    import torch
+
+    out = {}
+    for entry in manifest.tensors:
+        dtype = getattr(torch, entry.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ManifestMismatchError(f"tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
+        out[entry.name] = torch.empty(tuple(entry.shape), dtype=dtype, device=device)
+    return out
+
+
+class _Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self, what: str) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"pull deadline of {self.seconds:.0f} s ran out {what}")
+        return left
+
+
+def _stopped(stop: "StopSignal | None") -> bool:
+    if stop is None:
+        return False
+    return stop.is_set() if isinstance(stop, threading.Event) else bool(stop())
+
+
+def _stripes(manifest: "Manifest", names: Sequence[str], n: int) -> list[list[str]]:
+    """Split ``names`` (in manifest order) into ``n`` contiguous runs of similar bytes.
+
+    Contiguous runs keep coalescing effective: neighbours in load order are usually
+    neighbours in memory on both sides.
+    """
+    sizes = manifest.by_name()
+    ordered = [e.name for e in manifest.tensors if e.name in set(names)]
+    total = sum(sizes[name].nbytes for name in ordered)
+    out: list[list[str]] = [[]]
+    acc = 0
+    for name in ordered:
+        if len(out) < n and acc >= total * len(out) / n and out[-1]:
+            out.append([])
+        out[-1].append(name)
+        acc += sizes[name].nbytes
+    return [s for s in out if s]
+
+
+class _Puller:
+    """One pull: sources to try, the manager, the destination, bookkeeping."""
+
+    def __init__(self, *, client: "MxClient", manager: "NixlTransferManager",
+                 dest: Mapping[str, "torch.Tensor"], allow_partial: bool, verify: bool,
+                 deadline: _Deadline, progress: ProgressFn | None, stop: "StopSignal | None",
+                 chunk_bytes: int, refuse_slow_transport: bool) -> None:
+        self.client = client
+        self.manager = manager
+        self.dest = dest
+        self.allow_partial = allow_partial
+        self.verify = verify
+        self.deadline = deadline
+        self.progress = progress
+        self.stop = stop
+        self.chunk_bytes = chunk_bytes
+        self.refuse_slow = refuse_slow_transport
+        self.skipped: list[SkippedSource] = []
+        self._done: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def _report(self, key: str, done: int) -> None:
+        with self._lock:
+            self._done[key] = done
+            total_done = sum(self._done.values())
+        if self.progress is not None:
+            self.progress(min(total_done, self.total), self.total)
+
+    def read_from(self, info: "SourceInfo", manifest: "Manifest",
+                  dest: Mapping[str, "torch.Tensor"], key: str, allow_partial: bool):  # noqa: ANN201
+        """READ ``dest`` from one source; returns the data plane's TransferResult."""
+        assert info.agent_metadata is not None
+        peer = self.manager.add_peer(info.agent_metadata)
+        try:
+            return self.manager.read(
+                manifest, dest, peer=peer, allow_partial=allow_partial,
+                chunk_bytes=self.chunk_bytes,
+                deadline_s=self.deadline.left(f"before reading from source {info.id}"),
+                progress=lambda done, _total: self._report(key, done), stop=self.stop,
+                verify=self.verify, refuse_slow_transport=self.refuse_slow)
+        except BaseException:
+            self._report(key, 0)  # a failed attempt's bytes do not count
+            raise
+        finally:
+            self.manager.remove_peer(peer)
+
+    def skip(self, info: "SourceInfo", reason: str) -> None:
+        log.warning("skipping source %s (worker %s): %s", info.id, info.worker_id, reason)
+        self.skipped.append(SkippedSource(info.id, info.worker_id, reason))
+
+
+def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = None, *,
+         client: "MxClient", device: str = "cpu", timeout_s: float = 600.0,
+         verify: bool = True, allow_partial: bool = False, progress: ProgressFn | None = None,
+         stop: "StopSignal | None" = None, policy: str = "random", max_attempts: int = 3,
+         stripe: int = 1, prefer: Sequence[str] = (), exclude_workers: Sequence[str] = (),
+         manager: "NixlTransferManager | None" = None, chunk_bytes: int = 1 << 30,
+         refuse_slow_transport: bool = False, on_destination: Callable[
+             [Mapping[str, "torch.Tensor"]], None] | None = None) -> PullResult:
+    """Pull the weights of ``identity`` from READY sources into ``dest``.
+
+    Args:
+        identity: what to pull; only sources publishing exactly this identity qualify.
+        dest: name -> destination tensor (contiguous). When None, tensors are allocated
+            on ``device`` from the first source's manifest (``on_destination`` sees them
+            before any byte moves; the result does not carry them, so pass a callback
+            or your own ``dest`` to keep them).
+        client: control-plane client.
+        device: where to allocate when ``dest`` is None.
+        timeout_s: deadline for the whole pull, all attempts included.
+        verify: check digests (``MX_VERIFY_DIGESTS``).
+        allow_partial: tensors present on one side only are skipped instead of an error.
+        progress: ``progress(bytes_done, bytes_total)``, called from the READ loop.
+        stop: ``threading.Event`` or callable; honoured between chunks.
+        policy: ``random`` or ``spread`` (``MX_SOURCE_POLICY``).
+        max_attempts: sources tried at most (``MX_MAX_SOURCE_ATTEMPTS``).
+        stripe: read from up to this many sources at once, each a contiguous share of
+            the tensors (falls back to fewer when fewer are READY).
+        prefer: source ids to try first, in order (e.g. the one the server assigned).
+        exclude_workers: worker ids never chosen (e.g. this worker's own source).
+        manager: NIXL manager to read with; one is created and closed when None.
+        chunk_bytes: bytes per READ chunk (``MX_TRANSFER_CHUNK_BYTES``).
+        refuse_slow_transport: fail on a detected transport fallback.
+        on_destination: called with the destination tensors before any byte moves.
+
+    Returns:
+        A :class:`PullResult`.
+
+    Raises:
+        NoSourceError: no READY source, or every attempt failed (the message lists why).
+        ManifestMismatchError: the source's tensors do not match ``dest`` (before any
+            byte moved); not retried, since every source of one identity has one layout.
+        TransferCancelledError: ``stop`` was set.
+        TransferTimeoutError: ``timeout_s`` ran out.
+    """
+    if max_attempts < 1 or stripe < 1 or timeout_s <= 0:
+        raise ConfigError(f"max_attempts and stripe must be >= 1 and timeout_s > 0 "
+                          f"(got {max_attempts}, {stripe}, {timeout_s})")
+    from modelexpress.transfer import NixlTransferManager
+
+    started = time.monotonic()
+    deadline = _Deadline(timeout_s)
+    candidates = [s for s in client.list_sources(identity=identity, state="READY")
+                  if s.worker_id not in set(exclude_workers)]
+    if not candidates:
+        raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
+                            f"rank {identity.rank}) on the control plane")
+    load = source_load(client, identity) if policy == "spread" else {}
+    ordered = order_sources(candidates, policy, load=load, prefer=prefer)
+
+    owns = manager is None
+    mgr = manager or NixlTransferManager()
+    puller = _Puller(client=client, manager=mgr, dest=dest or {}, allow_partial=allow_partial,
+                     verify=verify, deadline=deadline, progress=progress, stop=stop,
+                     chunk_bytes=chunk_bytes, refuse_slow_transport=refuse_slow_transport)
+    try:
+        # Fetch manifests lazily: a source may vanish between list and get.
+        fetched: list[tuple["SourceInfo", "Manifest"]] = []
+        for info in ordered:
+            if len(fetched) >= max(stripe, max_attempts):
+                break
+            try:
+                full = client.get_source(info.id)
+                fetched.append((full, manifest_of(full)))
+            except MxError as exc:
+                puller.skip(info, f"could not fetch its manifest: {exc}")
+        if not fetched:
+            raise NoSourceError(_no_source_message(identity, puller.skipped))
+        if dest is None:
+            dest = allocate_like(fetched[0][1], device)
+            puller.dest = dest
+        if on_destination is not None:
+            on_destination(dest)
+        # Validate against every candidate before any byte moves.
+        for info, manifest in fetched:
+            plan = mgr.plan(manifest, dest, allow_partial=allow_partial)
+        puller.total = plan.total_bytes
+        if owns:
+            # Register once up front: striped READs run in parallel threads and must
+            # not race to register the same destination memory.
+            mgr.register_tensors(dict(dest))
+        if stripe > 1 and len(fetched) > 1:
+            results = _pull_striped(puller, fetched[:stripe], fetched, max_attempts)
+        else:
+            results = _pull_sequential(puller, fetched[:max_attempts], dest, allow_partial,
+                                       identity)
+    finally:
+        if owns:
+            mgr.close()
+    seconds = max(r.seconds for _, r in results)
+    nbytes = sum(r.bytes for _, r in results)
+    out = PullResult(
+        source_ids=tuple(info.id for info, _ in results), bytes=nbytes, seconds=seconds,
+        gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        transport=",".join(sorted({r.transport for _, r in results})),
+        descriptors=sum(r.descriptors for _, r in results),
+        tensors=sum(r.tensors for _, r in results),
+        verified=all(r.verified for _, r in results), skipped=tuple(puller.skipped),
+        warnings=tuple(w for _, r in results for w in r.warnings),
+        total_seconds=time.monotonic() - started)
+    log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s)%s",
+             identity.model, out.bytes, out.tensors, ",".join(out.source_ids), out.seconds,
+             out.gbps, out.transport,
+             f"; skipped {len(out.skipped)} source(s)" if out.skipped else "")
+    return out
+
+
+def _no_source_message(identity: "ModelIdentity", skipped: Sequence[SkippedSource]) -> str:
+    why = "; ".join(f"{s.source_id} ({s.worker_id}): {s.reason}" for s in skipped)
+    return (f"no source could serve {identity.model} (identity {identity.id}, rank "
+            f"{identity.rank}); tried {len(skipped)}: {why}")
+
+
+_RETRYABLE = (TransferError,)
+
+
+def _pull_sequential(puller: _Puller, fetched, dest, allow_partial, identity):  # noqa: ANN001,ANN202
+    for info, manifest in fetched:
+        try:
+            result = puller.read_from(info, manifest, dest, "all", allow_partial)
+        except (TransferCancelledError, ManifestMismatchError):
+            raise
+        except TransferTimeoutError:
+            puller.deadline.left(f"after trying source {info.id}")  # whole deadline gone?
+            puller.skip(info, "timed out")
+            continue
+        except _RETRYABLE as exc:
+            puller.skip(info, f"{type(exc).__name__}: {exc}")
+            continue
+        if _stopped(puller.stop):
+            raise TransferCancelledError("pull stopped")
+        return [(info, result)]
+    raise NoSourceError(_no_source_message(identity, puller.skipped))
+
+
+def _pull_striped(puller: _Puller, stripes_from, fetched, max_attempts):  # noqa: ANN001,ANN202
+    """Read contiguous shares of the tensors from several sources at once.
+
+    One NIXL agent serves every stripe: its READs are posted from separate threads,
+    each against its own peer. A failed stripe is retried, alone, from the other
+    sources (bounded by ``max_attempts`` in total).
+    """
+    manifest0 = fetched[0][1]
+    groups = _stripes(manifest0, list(puller.dest), len(stripes_from))
+    results: list = [None] * len(groups)
+    errors: list[BaseException | None] = [None] * len(groups)
+
+    def run(i: int) -> None:
+        info, manifest = stripes_from[i]
+        sub = {name: puller.dest[name] for name in groups[i]}
+        try:
+            results[i] = (info, puller.read_from(info, manifest, sub, f"s{i}", True))
+        except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"mx-stripe-{i}")
+               for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(puller.deadline.end - time.monotonic(), 0.0) + 5.0)
+    if any(t.is_alive() for t in threads):
+        raise TransferTimeoutError(
+            f"striped reads did not finish within the {puller.deadline.seconds:.0f} s deadline")
+    attempts = len(groups)
+    for i, exc in enumerate(errors):
+        if exc is None:
+            continue
+        if isinstance(exc, (TransferCancelledError, ManifestMismatchError)):
+            raise exc
+        info = stripes_from[i][0]
+        puller.skip(info, f"stripe {i}: {type(exc).__name__}: {exc}")
+        sub = {name: puller.dest[name] for name in groups[i]}
+        for other, manifest in fetched:
+            if attempts >= max_attempts + len(groups) - 1:
+                break
+            if other.id in {s.source_id for s in puller.skipped}:
+                continue
+            attempts += 1
+            try:
+                results[i] = (other, puller.read_from(other, manifest, sub, f"s{i}", True))
+                break
+            except (TransferCancelledError, ManifestMismatchError):
+                raise
+            except _RETRYABLE as retry_exc:
+                puller.skip(other, f"stripe {i} retry: {type(retry_exc).__name__}: {retry_exc}")
+        if results[i] is None:
+            raise NoSourceError(f"stripe {i} ({len(sub)} tensors) could not be read from any "
+                                f"source: " + "; ".join(s.reason for s in puller.skipped))
+    return results
