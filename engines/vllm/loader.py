@@ -60,6 +60,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from modelexpress.errors import MxError
 from modelexpress.identity import ModelIdentity
+from modelexpress.settings import MxSettings
 
 from modelexpress.engines.vllm.identity import identity_from_vllm
 from modelexpress.engines.vllm.options import LoaderOptions, split_extra_config
@@ -226,8 +227,13 @@ class MxModelLoader(BaseModelLoader):
                 self._placeholder_loader().load_weights(model, model_config)
                 _post_process(model, model_config, device)
                 tensors = collect_model_tensors(model)
+                settings = self._settings
                 result = pull(identity, tensors, client=client,
-                              timeout_s=self.options.pull_timeout_s, verify=self.options.verify)
+                              timeout_s=self.options.pull_timeout_s, verify=self.options.verify,
+                              policy=settings.source_policy,
+                              max_attempts=settings.max_source_attempts,
+                              chunk_bytes=settings.transfer_chunk_bytes,
+                              refuse_slow_transport=settings.refuse_slow_transport)
         except MxError as exc:
             report.fallback_reason = f"pull failed: {type(exc).__name__}: {exc}"
             logger.warning("modelexpress: pull of %s (identity %s) failed, falling back to "
@@ -242,8 +248,11 @@ class MxModelLoader(BaseModelLoader):
             return None
         report.source = "peer"
         report.pull_result = result
-        logger.info("modelexpress: pulled %s rank %d (%d tensors): %s", model_config.model,
-                    identity.rank, len(tensors), result)
+        logger.info("modelexpress: pulled %s rank %d from %s: %d tensors, %.3f GB in %.3f s "
+                    "(%.2f GB/s, %s, digests %s)", model_config.model, identity.rank,
+                    ",".join(result.source_ids), result.tensors, result.bytes / 1e9,
+                    result.seconds, result.gbps, result.transport,
+                    "verified" if result.verified else "not checked")
         return tensors
 
     def _maybe_serve(self, model: nn.Module, identity: ModelIdentity, report: LoadReport,
@@ -256,8 +265,11 @@ class MxModelLoader(BaseModelLoader):
             from modelexpress.p2p import serve_source
 
             client = self._client()
-            handle = serve_source(identity, tensors if tensors is not None
-                                  else collect_model_tensors(model), client=client, arena=arena)
+            if tensors is None:
+                tensors = collect_model_tensors(model)
+            handle = serve_source(identity, tensors, client=client, arena=arena,
+                                  heartbeat_interval_s=self._settings.heartbeat_interval_s,
+                                  single_region=self._settings.arena_single_mr)
         except Exception:  # noqa: BLE001 - serving is an extra; the engine works without it
             logger.warning("modelexpress: could not publish %s rank %d as a source; the "
                            "engine runs, peers will not pull from it", identity.model,
@@ -274,6 +286,11 @@ class MxModelLoader(BaseModelLoader):
         with device:
             return self.create_model(vllm_config=vllm_config, model_config=model_config,
                                      prefix=prefix)
+
+    @property
+    def _settings(self) -> MxSettings:
+        assert self.options.settings is not None  # from_extra_config always sets it
+        return self.options.settings
 
     def _arena_wanted(self, device: torch.device) -> bool:
         if self.options.vmm_arena and device.type != "cuda":

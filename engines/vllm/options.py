@@ -48,6 +48,9 @@ class LoaderOptions:
             (``mx_fallback_load_format``, default ``auto``).
         identity_extra: facts added to the identity (``mx_identity_extra``, a dict).
         client_timeout_s, client_retries: HTTP client settings (environment only).
+        settings: the settings the rest came from; the pull and serve tuning that has
+            no extra-config key (source policy, attempts, chunk size, heartbeat
+            interval, single-region arena) is read from it.
     """
 
     server_url: str
@@ -63,6 +66,7 @@ class LoaderOptions:
     identity_extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
     client_timeout_s: float = 10.0
     client_retries: int = 3
+    settings: MxSettings | None = None
 
     @classmethod
     def from_extra_config(cls, own: Mapping[str, Any],
@@ -97,6 +101,7 @@ class LoaderOptions:
             "verify": settings.verify_digests,
             "client_timeout_s": settings.client_timeout_s,
             "client_retries": settings.client_retries,
+            "settings": settings,
         }
         for key, value in own.items():
             field, kind = OPTION_KEYS[key]

@@ -22,6 +22,9 @@ _registered = False
 def register() -> None:
     """Hook modelexpress into vLLM according to ``MxSettings`` (``MX_*`` environment).
 
+    * always: ``--load-format mx`` selects
+      :class:`~modelexpress.engines.vllm.loader.MxModelLoader` (as does vLLM's own
+      ``--load-format modelexpress``).
     * ``MX_SHM_TENSOR_ARENA=1``: every ``MessageQueue`` created afterwards routes
       large CPU tensors through the modelexpress shm tensor arena.
 
@@ -37,9 +40,10 @@ def register() -> None:
         settings = MxSettings()
 
         # --- model loader -----------------------------------------------------
-        # Reserved for the `mx` load format: the loader helper adds its
-        # registration here (e.g. register_mx_loader(settings)). This module
-        # deliberately registers no loader itself.
+        # `--load-format mx`. vLLM's built-in `modelexpress` format reaches the
+        # same MxModelLoader through its own wrapper and needs nothing here.
+        from modelexpress.engines.vllm.loader import register_load_format
+        register_load_format("mx")
 
         # --- shm tensor arena --------------------------------------------------
         if settings.shm_tensor_arena:
