@@ -63,9 +63,10 @@ from modelexpress.transfer.registration import (
 from modelexpress.transfer.transport import (
     METRICS,
     TransportVerdict,
+    UcxLogFacts,
     assess,
     expected_transport,
-    parse_ucx_log,
+    read_ucx_log,
 )
 
 if TYPE_CHECKING:
@@ -397,15 +398,8 @@ class NixlTransferManager:
                          allow_partial=allow_partial, coalesce_descriptors=coalesce,
                          chunk_bytes=chunk_bytes, first_chunk_bytes=first_chunk_bytes)
 
-    def _ucx_facts(self):  # type: ignore[no-untyped-def]
-        if not self._ucx_log_file:
-            return None
-        try:
-            with open(self._ucx_log_file, errors="replace") as f:
-                return parse_ucx_log(f.read())
-        except OSError as exc:
-            log.debug("UCX log %s unreadable: %s", self._ucx_log_file, exc)
-            return None
+    def _ucx_facts(self) -> UcxLogFacts | None:
+        return read_ucx_log(self._ucx_log_file) if self._ucx_log_file else None
 
     def read(self, manifest: Manifest, local: Mapping[str, torch.Tensor], *,
              peer: str | None = None, allow_partial: bool = False, coalesce: bool = True,

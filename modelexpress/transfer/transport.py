@@ -23,12 +23,16 @@ to every transfer result, logs a warning, counts it in :data:`METRICS`, and rais
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
+import logging
 import re
 import threading
 
+log = logging.getLogger(__name__)
+
 __all__ = ["FLOORS_GBPS", "METRICS", "TransportMetrics", "TransportVerdict", "UcxLogFacts",
-           "assess", "expected_transport", "parse_ucx_log"]
+           "assess", "expected_transport", "parse_ucx_log", "read_ucx_log", "ucx_proto_info_env"]
 
 # Lowest rate (GB/s) a READ on each transport may show before we call it a fallback.
 # Far below the measured rates on purpose, so a loaded machine never trips it, yet
@@ -134,6 +138,36 @@ def parse_ucx_log(text: str) -> UcxLogFacts:
                     transports.append(tl)
                     evidence.append(line.strip())
     return UcxLogFacts(tuple(transports), vmm, tuple(evidence[:6]))
+
+
+def ucx_proto_info_env(log_file: str) -> dict[str, str]:
+    """Environment that makes UCX report its protocol choices into ``log_file``.
+
+    UCX reads it when the first agent of a process starts, so entry points apply
+    it (``os.environ.update``) before creating a manager, or pass it to a child.
+    ``%p`` in the path is replaced by the pid (by UCX and by the manager).
+    """
+    return {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": log_file}
+
+
+def read_ucx_log(path: str) -> UcxLogFacts | None:
+    """Flush UCX's buffered log stream and parse ``path``; None when unreadable.
+
+    UCX writes its log through a buffered C ``FILE*``; the protocol tables of a
+    transfer that just ran sit in that buffer (seen here: 12 KiB on disk of 15 KiB
+    written). ``fflush(NULL)`` flushes every C output stream of this process,
+    which is harmless and the only handle we have on UCX's stream.
+    """
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError) as exc:  # no libc symbol table: parse what is on disk
+        log.debug("fflush(NULL) unavailable: %s", exc)
+    try:
+        with open(path, errors="replace") as f:
+            return parse_ucx_log(f.read())
+    except OSError as exc:
+        log.debug("UCX log %s unreadable: %s", path, exc)
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

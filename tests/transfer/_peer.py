@@ -36,7 +36,7 @@ def main() -> int:
     mgr = NixlTransferManager()
     keep, manifests, registration = [], {}, {}
     for kind in spec.get("kinds", []):
-        buf, tensors = layouts.carve(kind, filled=True)
+        buf, tensors = layouts.carve(kind, filled=True, device=spec.get("device", "cpu"))
         keep.append(buf)
         info = mgr.register_tensors(tensors, spec.get("strategy", "spans"))
         registration[kind] = f"{info.strategy}:{info.regions}"

@@ -37,9 +37,11 @@ def fill(name: str, t: torch.Tensor) -> None:
     raw.copy_(torch.randint(0, 256, (raw.numel(),), generator=g, dtype=torch.uint8))
 
 
-def carve(kind: str, filled: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """All tensors of ``kind`` as contiguous views of one buffer, in load order."""
-    specs = shapes(kind)
+def carve(kind: str, filled: bool, device: str = "cpu",
+          specs: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None,
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """All tensors of ``kind`` (or ``specs``) as contiguous views of one buffer."""
+    specs = specs if specs is not None else shapes(kind)
     sizes = [torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for _, s, d in specs]
     buf = torch.zeros(sum(sizes), dtype=torch.uint8)
     out, off = {}, 0
@@ -49,7 +51,28 @@ def carve(kind: str, filled: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor
             fill(name, t)
         out[name] = t
         off += n
+    if device != "cpu":
+        buf = buf.to(device)
+        out, off = {}, 0
+        for (name, shape, dtype), n in zip(specs, sizes):
+            out[name] = buf[off:off + n].view(dtype).view(shape)
+            off += n
     return buf, out
+
+
+def specs_of(manifest) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of a manifest's tensors, for building matching destinations."""
+    return [(e.name, e.shape, getattr(torch, e.dtype)) for e in manifest.tensors]
+
+
+def expected(manifest) -> dict[str, torch.Tensor]:
+    """The bytes the source filled each manifest tensor with."""
+    _, out = carve("", filled=True, specs=specs_of(manifest))
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8)))
 
 
 def arena_tensors(arena, filled: bool) -> dict[str, torch.Tensor]:

@@ -1,0 +1,121 @@
+"""Transport verdicts: real UCX on the CPU (CMA vs forced TCP) and the recorded GPU
+outcomes (UCX cuda_ipc silently falling back to TCP for CUDA VMM memory, GPU.md)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from modelexpress import errors
+from modelexpress.transfer import assess, expected_transport, parse_ucx_log
+from modelexpress.transfer.nixl_adapter import ERROR_MAP, nixl_error_classes, translate
+
+TARGET = pathlib.Path(__file__).with_name("_target.py")
+
+# Recorded on the GPU machine (2x H200, NIXL 1.5.1, UCX 1.23; GPU.md, 2026-11):
+GIB2 = 2 << 30
+RECORDED_GPU = {
+    # one 2 GiB cudaMalloc region, NIXL READ GPU1 <- GPU0 over cuda_ipc
+    "cudamalloc_cuda_ipc": {"nbytes": GIB2, "gbps": 396.0, "log": ""},
+    # the same READ of CUDA VMM memory (1 or 4 cuMemCreate handles): 0.43-0.52 GB/s,
+    # data correct, no NIXL error, and UCX logs the refused rkey
+    "vmm_cuda_ipc_slow": {"nbytes": GIB2, "gbps": 0.43, "log": ""},
+    "vmm_cuda_ipc_logged": {
+        "nbytes": GIB2, "gbps": 0.52,
+        "log": "[1795970000.1] [gpu:4242:0] cuda_ipc_md.c:312 UCX ERROR "
+               "unsupported key handle type: 0\n"},
+}
+
+
+@pytest.mark.nixl
+def test_every_nixl_error_class_is_mapped() -> None:
+    classes = nixl_error_classes()
+    assert len(classes) >= 10  # the bindings export one class per status
+    unmapped = sorted(set(classes) - set(ERROR_MAP))
+    assert not unmapped, f"NIXL error classes without a mapping in nixl_adapter: {unmapped}"
+    for name, cls in classes.items():
+        err = translate(cls("boom"), "READ", peer="src-1", nbytes=4096)
+        assert isinstance(err, errors.TransferError)
+        assert "src-1" in str(err) and "4096" in str(err) and name in str(err)
+        reg = translate(cls("boom"), "register", registering=True)
+        assert isinstance(reg, errors.RegistrationError)
+    assert isinstance(translate(classes["nixlRemoteDisconnectError"]("x"), "READ"),
+                      errors.PeerError)
+
+
+def test_expected_transports() -> None:
+    assert expected_transport("VRAM", "VRAM", same_host=True) == "cuda_ipc"
+    assert expected_transport("DRAM", "DRAM", same_host=True) == "cma"
+    assert expected_transport("VRAM", "VRAM", same_host=False) == "rdma"
+
+
+@pytest.mark.parametrize("case", sorted(RECORDED_GPU))
+def test_recorded_gpu_outcomes(case: str) -> None:
+    rec = RECORDED_GPU[case]
+    seconds = rec["nbytes"] / (rec["gbps"] * 1e9)
+    facts = parse_ucx_log(rec["log"]) if rec["log"] else None
+    verdict = assess("cuda_ipc", rec["nbytes"], seconds, facts=facts)
+    if case == "cudamalloc_cuda_ipc":
+        assert verdict.ok and verdict.gbps == pytest.approx(396.0)
+        return
+    assert not verdict.ok
+    assert "MX_VMM_ARENA=0" in verdict.message and "MX_REFUSE_SLOW_TRANSPORT" in verdict.message
+    if rec["log"]:
+        assert facts is not None and facts.vmm_key_unsupported
+        assert "unsupported key handle type" in verdict.message
+        # the log line alone is enough, even before the rate can be measured
+        assert not assess("cuda_ipc", 1 << 20, 1.0, facts=facts).ok
+    else:
+        assert "below the 20 GB/s floor" in verdict.message
+
+
+def test_small_transfers_are_not_rate_judged() -> None:
+    assert assess("cuda_ipc", 4096, 1.0).ok  # latency dominates small reads
+
+
+def test_parse_ucx_proto_info_tables() -> None:
+    text = """
+[1] [vm:1:0]   | src self cfg#0                                                    |
+[1] [vm:1:0]   | remote memory read by ucp_get*(multi) into host memory from host |
+[1] [vm:1:0]   +--------+-------------+-------------------------------------------+
+[1] [vm:1:0]   | Range  | Description |                  Config                   |
+[1] [vm:1:0]   | 0..inf | zero-copy   | cma/memory                                |
+[1] [vm:1:0]   | tgt cfg#1                                                          |
+[1] [vm:1:0]   | active message by ucp_am_send* from host memory |
+[1] [vm:1:0]   |          0 | short              | tcp/lo        |
+"""
+    facts = parse_ucx_log(text)
+    assert facts.read_transports == ("cma",) and not facts.vmm_key_unsupported
+
+
+def _run_target(src, kind: str, tmp_path: pathlib.Path, env: dict[str, str],
+                refuse: bool = False) -> dict:
+    log = tmp_path / f"ucx-{len(list(tmp_path.iterdir()))}.%p.log"
+    spec = {"metadata": base64.b64encode(src.metadata).decode(),
+            "manifest": src.manifests[kind], "refuse": refuse, "ucx_log": str(log)}
+    out = subprocess.run([sys.executable, str(TARGET)], input=json.dumps(spec), capture_output=True,
+                         text=True, timeout=180,
+                         env={**__import__("os").environ, "UCX_PROTO_INFO": "y",
+                              "UCX_LOG_FILE": str(log), **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.nixl
+def test_real_ucx_cma_passes_and_forced_tcp_is_reported_and_refusable(source_factory,
+                                                                      tmp_path) -> None:
+    src = source_factory({"kinds": ["many"]})
+    good = _run_target(src, "many", tmp_path, {})
+    assert good["ok"] and good["expected"] == "cma" and "cma" in good["observed"], good
+    # UCX_TLS on the target only: it can reach the source's tcp endpoint, nothing else
+    tcp = _run_target(src, "many", tmp_path, {"UCX_TLS": "tcp"})
+    assert not tcp["ok"] and tcp["observed"] == ["tcp"], tcp
+    assert "over tcp where cma was expected" in tcp["message"]
+    assert tcp["warnings"] and "UCX_TLS" in tcp["message"]
+    refused = _run_target(src, "many", tmp_path, {"UCX_TLS": "tcp"}, refuse=True)
+    assert refused.get("error") == "TransportError", refused
