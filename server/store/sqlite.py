@@ -7,7 +7,11 @@ several replicas on one file over a network filesystem are not supported (SQLite
 locking is unreliable there), use Redis for that.
 
 Atomic updates use ``BEGIN IMMEDIATE``: the write lock is taken before the read, so
-the read-modify-write cannot interleave with another writer.
+the read-modify-write cannot interleave with another writer. Writers of this process
+also queue on a ``threading.Lock`` first: SQLite admits one writer at a time anyway,
+and its busy handler waits by sleeping in steps of up to 100 ms, which put p99 at
+~700 ms with 50 concurrent clients; a lock hands over in microseconds. Readers do not
+take it (WAL readers never block on the writer).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class SqliteStore:
         self.url = f"sqlite:///{self.path}"
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._conns: list[sqlite3.Connection] = []
         self._closed = False
         parent = os.path.dirname(self.path)
@@ -82,9 +87,13 @@ class SqliteStore:
                 self._conns.append(conn)
         return conn
 
-    def _run(self, what: str, fn: Callable[[sqlite3.Connection], object]) -> object:
+    def _run(self, what: str, fn: Callable[[sqlite3.Connection], object],
+             write: bool = False) -> object:
         try:
-            return fn(self._conn())
+            if not write:
+                return fn(self._conn())
+            with self._write_lock:
+                return fn(self._conn())
         except sqlite3.Error as exc:
             raise StoreError(f"SQLite store {self.path}: {what} failed: {exc}") from exc
 
@@ -104,12 +113,12 @@ class SqliteStore:
                           (record["id"], _dump(record)))
             except sqlite3.IntegrityError as exc:
                 raise ConflictError(f"{coll} record {record['id']} already exists") from exc
-        self._run("create", insert)
+        self._run("create", insert, write=True)
 
     def put(self, coll: Collection, record: Record) -> None:
         self._run("put", lambda c: c.execute(
             f"INSERT OR REPLACE INTO {coll} (id, doc) VALUES (?, ?)",
-            (record["id"], _dump(record))))
+            (record["id"], _dump(record))), write=True)
 
     def update(self, coll: Collection, key: str, fn: Callable[[Record], Record]) -> Record:
         def txn(c: sqlite3.Connection) -> Record:
@@ -125,10 +134,11 @@ class SqliteStore:
                 raise
             c.execute("COMMIT")
             return new
-        return self._run("update", txn)  # type: ignore[return-value]
+        return self._run("update", txn, write=True)  # type: ignore[return-value]
 
     def delete(self, coll: Collection, key: str) -> bool:
-        cur = self._run("delete", lambda c: c.execute(f"DELETE FROM {coll} WHERE id = ?", (key,)))
+        cur = self._run("delete", lambda c: c.execute(
+            f"DELETE FROM {coll} WHERE id = ?", (key,)), write=True)
         return bool(cur.rowcount)  # type: ignore[attr-defined]
 
     def ping(self) -> None:
