@@ -65,6 +65,15 @@ def serve(
     run_server(settings)
 
 
+def _register_commands() -> None:
+    from modelexpress.p2p.cli import register as register_p2p
+
+    register_p2p(app)
+
+
+_register_commands()
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
