@@ -199,3 +199,11 @@ def test_another_process_reads_the_range(use_extension):
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert proc.wait(timeout=60) == 0
+
+
+def test_doctor_host_self_test_passes():
+    from modelexpress.vmm.diagnostics import doctor_checks
+    checks = {c.name: c for c in doctor_checks()}
+    result = checks["vmm host self-test"].run()
+    assert checks["vmm host self-test"].required
+    assert result.status == "ok", result.detail
