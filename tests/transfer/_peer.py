@@ -53,6 +53,21 @@ def main() -> int:
         info = mgr.register_arena(arena, tensors)
         registration["arena"] = f"{info.strategy}:{info.regions}:{len(arena.live_allocations())}"
         manifests["arena"] = mgr.build_manifest(tensors)
+    if spec.get("cuda_arena"):
+        # CUDA VMM arena filled through use_arena: the memory UCX cuda_ipc cannot open
+        # (GPU.md); the test checks that the verdict reports what the rate shows.
+        from modelexpress.vmm import CudaVmmBackend, VmmArena, use_arena
+        arena = VmmArena(total_bytes=1 << 36, device=0, backend=CudaVmmBackend(0))
+        keep.append(arena)
+        with use_arena(arena, 0):
+            tensors = {f"vmm.{i}": torch.empty((64 << 20,), dtype=torch.bfloat16, device="cuda:0")
+                       for i in range(2)}
+        for name, t in tensors.items():
+            layouts.fill_cuda(name, t)
+        keep.append(tensors)
+        info = mgr.register_arena(arena, tensors)
+        registration["cuda_arena"] = f"{info.strategy}:{info.regions}:{len(arena.live_allocations())}"
+        manifests["cuda_arena"] = mgr.build_manifest(tensors)
     out = {"pid": os.getpid(),
            "metadata": base64.b64encode(mgr.get_agent_metadata()).decode(),
            "manifests": {k: m.to_json() for k, m in manifests.items()},

@@ -37,6 +37,13 @@ def fill(name: str, t: torch.Tensor) -> None:
     raw.copy_(torch.randint(0, 256, (raw.numel(),), generator=g, dtype=torch.uint8))
 
 
+def fill_cuda(name: str, t: torch.Tensor) -> None:
+    """:func:`fill` for a GPU tensor (filled on the CPU, copied once)."""
+    host = torch.empty(t.shape, dtype=t.dtype)
+    fill(name, host)
+    t.copy_(host)
+
+
 def carve(kind: str, filled: bool, device: str = "cpu",
           specs: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None,
           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
