@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not ARENA_AVAILABLE, reason="_alloc_ext is not b
 
 _SCRIPT = textwrap.dedent("""
     import ctypes, json, os, random, sys, threading, time
-    from modelexpress.errors import ArenaClosedError, ArenaExhaustedError
+    from modelexpress.errors import ArenaClosedError
     from modelexpress.vmm import HostVmmBackend, VmmArena
     from modelexpress.vmm import _alloc_ext as ext
 
