@@ -183,6 +183,8 @@ class _Puller:
                 deadline_s=self.deadline.left(f"before reading from source {info.id}"),
                 progress=lambda done, _total: self._report(key, done), stop=self.stop,
                 verify=self.verify, refuse_slow_transport=self.refuse_slow)
+        except TransferCancelledError:
+            raise  # what arrived before the stop is reported as is
         except BaseException:
             self._report(key, 0)  # a failed attempt's bytes do not count
             raise
