@@ -366,3 +366,45 @@ def test_collector_unwraps_tensor_subclasses() -> None:
     assert tensors["weight.qdata"].dtype == torch.int8
 
 
+
+
+# --- a source worker process (run by test_vllm_loader.py) ------------------------------------
+SOURCE_LINE_PREFIX = "MX-SOURCE "
+
+
+def source_main(model_dir: str, corrupt: bool = False, deadline_s: float = 300.0) -> None:
+    """Load ``model_dir`` through ``--load-format modelexpress`` (from disk), serve it,
+    print one line (:data:`SOURCE_LINE_PREFIX` + JSON: identity id, logits), then serve
+    until stdin says ``stop``.
+
+    With ``corrupt``, one kernel tensor is changed *after* publishing, so its bytes no
+    longer match the published digest: a target's pull then fails after moving bytes.
+    """
+    import logging
+    import select
+    import sys
+    import time
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s source %(levelname)s %(name)s: %(message)s")
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from modelexpress.engines.vllm.loader import stop_serving
+
+    vllm_config = make_vllm_config(pathlib.Path(model_dir), "modelexpress", {"mx_pull": False})
+    init_vllm_distributed(vllm_config)
+    loader = get_model_loader(vllm_config.load_config)
+    model = loader.load_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+    report = loader._loader.last_report
+    if corrupt:
+        with torch.no_grad():
+            model.layers[1].packed.kernel.w_t.add_(1.0)
+    # NIXL logs to stdout too: the test looks for this prefix
+    print(SOURCE_LINE_PREFIX + json.dumps({"identity": report.identity.id, "serving": report.serving,
+                      "source": report.source, "logits": logits(model).tolist()}), flush=True)
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        ready, _, _ = select.select([sys.stdin], [], [], 1.0)
+        if ready and sys.stdin.readline().strip() in ("stop", ""):
+            break
+    stop_serving(model)
