@@ -1,0 +1,240 @@
+"""End-to-end P2P pull through the control plane, against memcpy and disk in the same run.
+
+What runs (all real, on loopback): ``python -m modelexpress.server`` (SQLite), one
+or two ``modelexpress publish`` source processes serving a generated checkpoint with
+Llama-3-8B-shaped tensors (random bf16 values), and this process as the target,
+which calls ``modelexpress.p2p.pull`` (source lookup, manifest validation, NIXL READ,
+digest verification) and then compares every byte with the checkpoint on disk.
+
+Baselines, measured in this run on the same bytes:
+  * ``gbps_memcpy``: one copy of a buffer of the checkpoint's size (CPU: host memcpy
+    between two touched buffers; ``--gpu``: GPU0 -> GPU1 peer copy);
+  * ``gbps_disk_warm`` / ``gbps_disk_cold``: loading the same safetensors into memory
+    (``--gpu``: onto the target GPU) with the page cache warm, and after dropping it
+    with POSIX_FADV_DONTNEED (as cold as the kernel allows without root).
+
+``gbps_p2p`` is the data-plane rate (first READ posted to last byte landed);
+``gbps_p2p_end_to_end`` adds source lookup, manifest fetch, registration and
+validation; digest verification is reported separately. With ``--sources 2`` a
+striped pull from both sources is measured too (``gbps_p2p_striped``).
+
+Usage: python bench/p2p.py [--quick] [--gpu] [--layers N] [--sources 1|2]
+Prints progress lines, then ONE JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Proc:
+    def __init__(self, args: list[str], log: pathlib.Path, env: dict[str, str]) -> None:
+        self.log = log
+        self._f = open(log, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE,
+                                     stderr=self._f, env=env, cwd=ROOT)
+
+    def json_line(self, deadline_s: float) -> dict[str, Any]:
+        import selectors
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end and self.proc.poll() is None:
+            if sel.select(timeout=0.5):
+                line = self.proc.stdout.readline()
+                if line.startswith(b"{"):
+                    return json.loads(line)
+        raise RuntimeError(f"{self.proc.args} gave no JSON line; log:\n"
+                           f"{self.log.read_text(errors='replace')[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._f.close()
+
+
+def _memcpy_gbps(nbytes: int, gpu: bool, repeat: int = 3) -> float:
+    import torch
+    if gpu:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        src.fill_(1)
+        dst.copy_(src)
+        torch.cuda.synchronize(0), torch.cuda.synchronize(1)
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(1)
+            torch.cuda.synchronize(0)
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best / 1e9
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def _verify(dest: dict[str, Any], checkpoint: pathlib.Path) -> bool:
+    """Every tensor byte-equal to the checkpoint (read lazily, one tensor at a time)."""
+    import torch
+    from safetensors import safe_open
+
+    from modelexpress.checkpoint import checkpoint_files
+    seen = set()
+    for file in checkpoint_files(checkpoint):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                ref = f.get_tensor(name)
+                got = dest[name]
+                if got.device.type != "cpu":
+                    ref = ref.to(got.device)
+                if got.shape != ref.shape or not torch.equal(got.view(torch.uint8),
+                                                             ref.view(torch.uint8)):
+                    _say(f"MISMATCH in {name}")
+                    return False
+                seen.add(name)
+    return seen == set(dest)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 layer (~0.9 GB) instead of 5")
+    parser.add_argument("--layers", type=int, default=None, help="Llama-3-8B layers to generate")
+    parser.add_argument("--gpu", action="store_true", help="source on cuda:0, target on cuda:1")
+    parser.add_argument("--sources", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--workdir", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    layers = args.layers or (1 if args.quick else 5)
+
+    import torch
+
+    from modelexpress.checkpoint import (LlamaShape, generate_llama_checkpoint,
+                                         time_disk_load)
+    from modelexpress.client import MxClient
+    from modelexpress.identity import ModelIdentity
+    from modelexpress.p2p import allocate_like, manifest_of, pull
+
+    work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="mx-bench-p2p-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / "checkpoint"
+    if not ckpt.exists():
+        _say(f"generating {layers} Llama-3-8B-shaped layers in {ckpt}")
+        generate_llama_checkpoint(ckpt, LlamaShape(layers=layers, vocab=32000))
+    nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
+    env.update({"MX_SERVER_URL": url, "MX_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")})
+    procs: list[_Proc] = []
+    model = f"bench/llama-3-8b-shaped-{layers}"
+    out: dict[str, Any] = {"machine": "gpu" if args.gpu else "cpu", "layers": layers}
+    try:
+        procs.append(_Proc(["modelexpress.server", "--host", "127.0.0.1", "--port", str(port),
+                            "--store", f"sqlite:///{work / 'bench.db'}"], work / "server.log", env))
+        client = MxClient(url, timeout_s=30.0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.health()
+                break
+            except Exception:  # noqa: BLE001 - still starting
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        published = []
+        for i in range(args.sources):
+            device = "cuda:0" if args.gpu else "cpu"
+            procs.append(_Proc(["modelexpress", "publish", str(ckpt), "--model", model,
+                                "--device", device, "--json", "--worker-id", f"bench-src-{i}"],
+                               work / f"source-{i}.log", env))
+            published.append(procs[-1].json_line(600))
+            _say(f"source {i}: {published[-1]['bytes'] / 1e9:.2f} GB on {device}, "
+                 f"loaded in {published[-1]['load_seconds']} s")
+        identity = ModelIdentity.from_dict(published[0]["identity"])
+        target = "cuda:1" if args.gpu else "cpu"
+        info = client.get_source(published[0]["source_id"])
+        dest = allocate_like(manifest_of(info), target)
+        tensor_bytes = sum(t.numel() * t.element_size() for t in dest.values())
+
+        out["gbps_memcpy"] = _memcpy_gbps(tensor_bytes, args.gpu)
+        _say(f"baseline {'peer copy GPU0->GPU1' if args.gpu else 'memcpy'}: "
+             f"{out['gbps_memcpy']:.2f} GB/s")
+
+        runs = []
+        for _ in range(2 if args.quick else 3):
+            result = pull(identity, dest, client=client, timeout_s=600,
+                          prefer=[published[0]["source_id"]])
+            runs.append(result)
+            _say(f"pull: {result.gbps:.2f} GB/s data plane over {result.transport}, "
+                 f"{result.bytes / result.total_seconds / 1e9:.2f} GB/s end to end, "
+                 f"{result.descriptors} descriptors")
+        best = max(runs, key=lambda r: r.gbps)
+        out["verified"] = bool(best.verified and _verify(dest, ckpt))
+        out.update(bytes=best.bytes, tensors=best.tensors, gbps_p2p=best.gbps,
+                   gbps_p2p_end_to_end=best.bytes / best.total_seconds / 1e9,
+                   transport=best.transport, descriptors=best.descriptors,
+                   ratio_p2p_vs_memcpy=best.gbps / out["gbps_memcpy"])
+        if args.sources == 2:
+            striped = [pull(identity, dest, client=client, timeout_s=600, stripe=2)
+                       for _ in range(2)]
+            s_best = max(striped, key=lambda r: r.gbps)
+            out["gbps_p2p_striped"] = s_best.gbps
+            out["striped_sources"] = len(s_best.source_ids)
+            out["verified"] = out["verified"] and _verify(dest, ckpt)
+            _say(f"striped over {len(s_best.source_ids)} sources: {s_best.gbps:.2f} GB/s")
+        del dest
+        if args.gpu:
+            torch.cuda.empty_cache()
+        disk_device = target
+        warm = min(time_disk_load(ckpt, cold=False, device=disk_device) for _ in range(2))
+        cold = time_disk_load(ckpt, cold=True, device=disk_device)
+        out["gbps_disk_warm"] = nbytes / warm / 1e9
+        out["gbps_disk_cold"] = nbytes / cold / 1e9
+        out["ratio_p2p_vs_disk_warm"] = out["gbps_p2p"] / out["gbps_disk_warm"]
+        _say(f"disk into {disk_device}: warm {out['gbps_disk_warm']:.2f} GB/s, "
+             f"cold {out['gbps_disk_cold']:.2f} GB/s")
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
