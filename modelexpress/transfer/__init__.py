@@ -25,6 +25,8 @@ from modelexpress.transfer.transport import (
     assess,
     expected_transport,
     parse_ucx_log,
+    read_ucx_log,
+    ucx_proto_info_env,
 )
 
 __all__ = [
@@ -50,4 +52,6 @@ __all__ = [
     "expected_transport",
     "parse_ucx_log",
     "plan_read",
+    "read_ucx_log",
+    "ucx_proto_info_env",
 ]

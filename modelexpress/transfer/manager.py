@@ -642,6 +642,8 @@ class _ReadRun:
                 self._verify(ci)
                 if self.progress is not None:
                     self.progress(done_bytes, total)
+            if not plan.chunks:
+                self._verify(0)  # only zero-byte tensors: nothing to read, still "done"
             seconds = time.perf_counter() - t0 - self.verify_s
             if stopping:
                 raise TransferCancelledError(

@@ -141,7 +141,6 @@ class _Arena:
 
 
 def test_arena_strategy_choice_rules() -> None:
-    inside = torch.empty(0)  # data_ptr checks use real tensors below
     t = torch.zeros(1024)
     base = t.data_ptr()
     assert choose_arena_strategy(_Arena("host", base, 0, 0), [t]).strategy == Strategy.PER_TENSOR
@@ -155,4 +154,13 @@ def test_arena_strategy_choice_rules() -> None:
     assert choose_arena_strategy(cuda_multi, [t], force_single_region=True).strategy == Strategy.SINGLE_REGION
     assert choose_arena_strategy(_Arena("cuda", base, 4096, 1), [t]).strategy == Strategy.SINGLE_REGION
     with pytest.raises(ConfigError, match="allowed|one of"):
-        choose_arena_strategy(cuda_multi, [inside], transport="nvlink")
+        choose_arena_strategy(cuda_multi, [t], transport="nvlink")
+
+
+def test_zero_byte_tensors_get_no_descriptor() -> None:
+    _, src = _carved([4, 0, 4])
+    m = _manifest(src)
+    _, dst = _carved([4, 0, 4])
+    plan = plan_read(m, dst, local_regions=regions_for_tensors(dst, "spans")["DRAM"])
+    assert plan.descriptors == 1 and int(plan.local_descs[:, 1].sum()) == 32
+    assert len(plan.pairs) == 3 and plan.done_after == (0, 0, 0)
