@@ -1,0 +1,40 @@
+"""P2P on GPUs: a source on cuda:0 in one process, the target on cuda:1 in this one.
+
+Runs on the GPU machine (two H200s); skipped elsewhere by the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from conftest import Cluster
+from modelexpress.checkpoint import LlamaShape, generate_llama_checkpoint, load_checkpoint
+from modelexpress.p2p import allocate_like, manifest_of, pull
+
+pytestmark = [pytest.mark.gpu, pytest.mark.nixl]
+
+
+def test_gpu0_source_to_gpu1_target_through_the_server(cluster: Cluster,
+                                                       tmp_path: pathlib.Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    ckpt = tmp_path / "ckpt"
+    generate_llama_checkpoint(ckpt, LlamaShape(layers=2, vocab=32000), seed=7)
+    proc = cluster.start(["publish", str(ckpt), "--model", "gpu-test", "--device", "cuda:0",
+                          "--json"], "gpu-source")
+    published = proc.json_line()
+    info = cluster.client.get_source(published["source_id"])
+    manifest = manifest_of(info)
+    assert {t.device for t in manifest.tensors} == {"cuda:0"}
+    dest = allocate_like(manifest, "cuda:1")
+    from modelexpress.identity import ModelIdentity
+    result = pull(ModelIdentity.from_dict(published["identity"]), dest,
+                  client=cluster.client, timeout_s=120)
+    assert result.verified
+    assert result.transport != "tcp", f"VRAM went over {result.transport}: {result.warnings}"
+    reference = load_checkpoint(ckpt)
+    for name, ref in reference.items():
+        assert torch.equal(dest[name].cpu().view(torch.uint8), ref.view(torch.uint8)), name
