@@ -86,6 +86,7 @@ class LoadReport:
         recreated: the model was built a second time because a failed pull attempt
             had already post-processed (or partly overwritten) the first one.
         serving: the weights were published as a source after the load.
+        vmm_arena: the load ran inside a VMM arena (requested and available).
         seconds: wall time of the whole load.
     """
 
@@ -95,6 +96,7 @@ class LoadReport:
     fallback_reason: str | None = None
     recreated: bool = False
     serving: bool = False
+    vmm_arena: bool = False
     seconds: float = 0.0
 
 
@@ -169,6 +171,7 @@ class MxModelLoader(BaseModelLoader):
                                       total_bytes=self.options.vmm_arena_bytes) as arena:
             # The arena (if any) outlives this block: the weights live in it, and a
             # source registers its range as one NIXL region.
+            report.vmm_arena = arena is not None
             model, tensors = self._load(vllm_config, model_config, prefix, device, report)
         report.seconds = time.perf_counter() - start
         report.serving = self._maybe_serve(model, identity, report, tensors, arena)
@@ -270,10 +273,12 @@ class MxModelLoader(BaseModelLoader):
             handle = serve_source(identity, tensors, client=client, arena=arena,
                                   heartbeat_interval_s=self._settings.heartbeat_interval_s,
                                   single_region=self._settings.arena_single_mr)
-        except Exception:  # noqa: BLE001 - serving is an extra; the engine works without it
-            logger.warning("modelexpress: could not publish %s rank %d as a source; the "
-                           "engine runs, peers will not pull from it", identity.model,
-                           identity.rank, exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - serving is an extra; the engine runs without it
+            # Our own errors say what went wrong; anything else is a bug: show where.
+            logger.warning("modelexpress: could not publish %s rank %d as a source (%s: %s); "
+                           "the engine runs, peers will not pull from it", identity.model,
+                           identity.rank, type(exc).__name__, exc,
+                           exc_info=not isinstance(exc, MxError))
             if client is not None:
                 client.close()
             return False

@@ -34,7 +34,8 @@ import torch
 from modelexpress.errors import ConfigError
 
 from test_vllm_loader_model import (
-    SOURCE_LINE_PREFIX, init_vllm_distributed, logits, make_vllm_config, build_model, write_checkpoint,
+    SOURCE_LINE_PREFIX, build_model, init_vllm_distributed, logits, make_vllm_config,
+    tensor_checksums, write_checkpoint,
 )
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
@@ -334,17 +335,20 @@ class SourceProc:
     """``source_main`` in a subprocess: loads from disk via vLLM's loader API and serves."""
 
     def __init__(self, model_dir: pathlib.Path, server: ServerProc, log_dir: pathlib.Path,
-                 corrupt: bool = False) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
-        env.update(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=TOKEN,
-                   MX_HEARTBEAT_INTERVAL_S="1",
-                   PYTHONPATH=os.pathsep.join([str(_HERE), env.get("PYTHONPATH", "")]))
+                 corrupt: bool = False, device: str = "cpu",
+                 env: dict[str, str] | None = None) -> None:
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
+        full_env.update(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=TOKEN,
+                        MX_HEARTBEAT_INTERVAL_S="1",
+                        PYTHONPATH=os.pathsep.join([str(_HERE), full_env.get("PYTHONPATH", "")]))
+        full_env.update(env or {})
         self.log_path = log_dir / f"source-{'corrupt' if corrupt else 'ok'}.log"
         code = (f"import test_vllm_loader_model as m; "
-                f"m.source_main({str(model_dir)!r}, corrupt={corrupt})")
+                f"m.source_main({str(model_dir)!r}, corrupt={corrupt}, device={device!r})")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, env=env, cwd=_REPO)
+                                         stdout=subprocess.PIPE, stderr=log, env=full_env,
+                                         cwd=_REPO)
         self.info = self._first_line(timeout_s=300.0)
 
     def _first_line(self, timeout_s: float) -> dict:
@@ -406,7 +410,9 @@ def test_target_pulls_from_a_source_process(mx_env, model_dir, reference, tmp_pa
         assert not report.recreated and report.fallback_reason is None
         result = report.pull_result
         assert result.verified and result.bytes > 0 and len(result.source_ids) == 1
-        # the kernel-object tensors came across too: the outputs are identical
+        # every byte the source holds, kernel-object tensors included, came across,
+        # and the outputs are identical
+        assert tensor_checksums(model) == source.info["checksums"]
         torch.testing.assert_close(logits(model), src_logits, rtol=0, atol=0)
         assert not torch.equal(src_logits, reference)  # another checkpoint, not a fluke
         # fan-out: the target now serves as well
@@ -444,5 +450,45 @@ def test_pull_failing_midway_falls_back_and_recreates(mx_env, model_dir, tmp_pat
         assert any("falling back to the auto loader" in m for m in messages)
         assert any("re-creating" in m for m in messages)
         assert not report.serving
+    finally:
+        source.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.nixl
+@pytest.mark.slow
+def test_gpu_pull_between_vmm_arena_workers(mx_env, model_dir, tmp_path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU machine: a source process and this target both load onto CUDA inside the VMM
+    arena (``MX_VMM_ARENA=1``, ``UCX_CUDA_COPY_REG_WHOLE_ALLOC=off``); the target pulls
+    every tensor byte-exact. With two GPUs the source runs on the second one.
+
+    Compares bytes, not logits: the forward of vLLM's layers on CUDA needs vLLM's GPU
+    build (``vllm._C``), which this environment may lack; the manual engine check is
+    in docs/DEPLOYMENT.md.
+    """
+    from modelexpress.engines.vllm.loader import stop_serving
+    from modelexpress.vmm import arena_unavailable_reason
+
+    expect_arena = arena_unavailable_reason(0) is None  # else: one warning, normal load
+
+    env = {"MX_VMM_ARENA": "1", "UCX_CUDA_COPY_REG_WHOLE_ALLOC": "off"}
+    if torch.cuda.device_count() > 1:
+        env["CUDA_VISIBLE_DEVICES"] = "1"
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, seed=5)
+    source = SourceProc(ckpt, mx_env, tmp_path, device="cuda", env=env)
+    try:
+        assert source.info["serving"] and source.info["vmm_arena"] == expect_arena
+        monkeypatch.setenv("MX_VMM_ARENA", "1")
+        monkeypatch.setenv("UCX_CUDA_COPY_REG_WHOLE_ALLOC", "off")
+        model, ours = _load(make_vllm_config(ckpt, "modelexpress",
+                                             {"mx_serve_after_pull": False}, device="cuda"))
+        report = ours.last_report
+        assert report.source == "peer", report.fallback_reason
+        assert report.vmm_arena == expect_arena and not report.serving
+        assert all(p.is_cuda for p in model.parameters())
+        assert tensor_checksums(model) == source.info["checksums"]
+        assert not stop_serving(model)
     finally:
         source.stop()

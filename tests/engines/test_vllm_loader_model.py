@@ -187,14 +187,14 @@ def write_checkpoint(model_dir: pathlib.Path, seed: int = 1234) -> dict[str, tor
 
 
 def make_vllm_config(model_dir: pathlib.Path, load_format: str = "auto",
-                     extra: dict | None = None):
-    """A VllmConfig for the tiny model on the CPU."""
+                     extra: dict | None = None, device: str = "cpu"):
+    """A VllmConfig for the tiny model on ``device`` (the CPU unless a GPU test)."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
 
     register_tiny_arch()
     model_config = ModelConfig(model=str(model_dir), dtype="float32",
                                skip_tokenizer_init=True, enforce_eager=True)
-    return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
+    return VllmConfig(model_config=model_config, device_config=DeviceConfig(device=device),
                       load_config=LoadConfig(load_format=load_format,
                                              model_loader_extra_config=extra or {}))
 
@@ -230,6 +230,19 @@ def build_model(vllm_config, load_format: str):
         loader.load_weights(model, mc)
         process_weights_after_loading(model, mc, torch.device("cpu"))
     return model.eval()
+
+
+def tensor_checksums(model: nn.Module) -> dict[str, str]:
+    """sha256 of the bytes of every tensor the loader moves, by name."""
+    import hashlib
+
+    from modelexpress.engines.vllm.tensors import collect_model_tensors
+
+    out = {}
+    for name, tensor in collect_model_tensors(model).items():
+        data = tensor.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+        out[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    return out
 
 
 def logits(model: nn.Module, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -372,7 +385,8 @@ def test_collector_unwraps_tensor_subclasses() -> None:
 SOURCE_LINE_PREFIX = "MX-SOURCE "
 
 
-def source_main(model_dir: str, corrupt: bool = False, deadline_s: float = 300.0) -> None:
+def source_main(model_dir: str, corrupt: bool = False, deadline_s: float = 300.0,
+                device: str = "cpu") -> None:
     """Load ``model_dir`` through ``--load-format modelexpress`` (from disk), serve it,
     print one line (:data:`SOURCE_LINE_PREFIX` + JSON: identity id, logits), then serve
     until stdin says ``stop``.
@@ -391,7 +405,8 @@ def source_main(model_dir: str, corrupt: bool = False, deadline_s: float = 300.0
 
     from modelexpress.engines.vllm.loader import stop_serving
 
-    vllm_config = make_vllm_config(pathlib.Path(model_dir), "modelexpress", {"mx_pull": False})
+    vllm_config = make_vllm_config(pathlib.Path(model_dir), "modelexpress", {"mx_pull": False},
+                                   device=device)
     init_vllm_distributed(vllm_config)
     loader = get_model_loader(vllm_config.load_config)
     model = loader.load_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
@@ -400,8 +415,10 @@ def source_main(model_dir: str, corrupt: bool = False, deadline_s: float = 300.0
         with torch.no_grad():
             model.layers[1].packed.kernel.w_t.add_(1.0)
     # NIXL logs to stdout too: the test looks for this prefix
-    print(SOURCE_LINE_PREFIX + json.dumps({"identity": report.identity.id, "serving": report.serving,
-                      "source": report.source, "logits": logits(model).tolist()}), flush=True)
+    print(SOURCE_LINE_PREFIX + json.dumps({
+        "identity": report.identity.id, "serving": report.serving, "source": report.source,
+        "vmm_arena": report.vmm_arena, "checksums": tensor_checksums(model),
+        "logits": logits(model).tolist() if device == "cpu" else None}), flush=True)
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         ready, _, _ = select.select([sys.stdin], [], [], 1.0)
