@@ -10,7 +10,7 @@ import pytest
 
 from conftest import make_identity, manifest
 from modelexpress.client import MxClient, TransferInfo
-from modelexpress.errors import ConflictError
+from modelexpress.errors import ConflictError, ServerUnavailableError
 from mx_server_procs import TOKEN, RedisProc, ServerProc
 
 pytestmark = pytest.mark.redis
@@ -106,3 +106,20 @@ def test_two_replicas_never_hand_one_assignment_out_twice(replicas: tuple[str, s
         t = a.start_transfer(ident, "agent")
         poll.join(timeout=60)
         assert [x.id for x in holder] == [t.id]
+
+
+def test_store_outage_is_503_not_500(redis_proc: RedisProc, tmp_path: pathlib.Path) -> None:
+    srv = ServerProc(redis_proc.url, tmp_path).start()
+    try:
+        with MxClient(srv.url, token=TOKEN, timeout_s=30.0, retries=1) as c:
+            src = c.publish_source(make_identity("redis/outage"), "w", manifest=manifest())
+            redis_proc.stop()
+            with pytest.raises(ServerUnavailableError, match="503"):
+                c.heartbeat(src.id)
+            with pytest.raises(ServerUnavailableError, match="503"):
+                c.health()
+            with pytest.raises(ServerUnavailableError, match="store unavailable"):
+                c.list_transfers()
+        assert "Traceback" not in srv.log()
+    finally:
+        srv.stop()
