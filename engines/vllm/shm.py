@@ -212,8 +212,9 @@ def _wrap_create_from_handle(original: Any) -> Any:
         arena_handle = getattr(handle, _HANDLE_ATTR, None)
         if arena_handle is not None and queue._is_local_reader:
             from modelexpress.shm_arena import ArenaReader, default_pinner
-            queue.tensor_arena = ArenaReader(arena_handle, queue.local_reader_rank,
-                                             pinner=default_pinner())
+            reader = ArenaReader(arena_handle, queue.local_reader_rank, pinner=default_pinner())
+            reader.pin_now()  # no-op without a CUDA context; then lazily at the first tensor
+            queue.tensor_arena = reader
         return queue
 
     return create_from_handle

@@ -367,6 +367,15 @@ class ArenaReader:
         """True once the mapping is page-locked in this process."""
         return self._pinned_address is not None
 
+    def pin_now(self) -> bool:
+        """Page-lock the mapping now if this process has a device context; True if pinned.
+
+        Called at attach by the vLLM adapter so the one-time registration is not
+        paid inside the first message; otherwise it happens at the first tensor.
+        """
+        self._ensure_pinned()
+        return self.pinned
+
     def _ensure_pinned(self) -> None:
         if self._pin_tried or not self._pinner.can_pin():
             return

@@ -30,7 +30,8 @@ import struct
 import threading
 from typing import Any
 
-__all__ = ["NATIVE", "load_acquire", "store_release", "populate", "fence"]
+__all__ = ["NATIVE", "load_acquire", "store_release", "populate", "fence",
+           "py_load_acquire", "py_store_release"]
 
 try:
     from modelexpress.shm_arena import _atomics as _native
@@ -73,6 +74,11 @@ def load_acquire(buf: Any, offset: int) -> int:
     """
     if _native is not None:
         return _native.load_acquire(buf, offset)
+    return py_load_acquire(buf, offset)
+
+
+def py_load_acquire(buf: Any, offset: int) -> int:
+    """The pure-Python fallback of :func:`load_acquire` (weaker; see the module doc)."""
     _check(buf, offset)
     value = _U64.unpack_from(buf, offset)[0]
     fence()  # later loads must not move above this one
@@ -91,6 +97,11 @@ def store_release(buf: Any, offset: int, value: int) -> None:
     if _native is not None:
         _native.store_release(buf, offset, value)
         return
+    py_store_release(buf, offset, value)
+
+
+def py_store_release(buf: Any, offset: int, value: int) -> None:
+    """The pure-Python fallback of :func:`store_release` (weaker; see the module doc)."""
     _check(buf, offset)
     fence()  # earlier stores must not move below this one
     _U64.pack_into(buf, offset, value)

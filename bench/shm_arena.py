@@ -1,0 +1,332 @@
+"""A/B/C of vLLM's MessageQueue tensor paths: default out-of-band, vLLM 0.33's arena, ours.
+
+One seeded workload goes through a real vLLM ``MessageQueue`` with N forked local
+readers, three ways, each in a fresh process (so no path inherits another's warm
+pages or patches):
+
+* ``default``     vLLM's out-of-band path (``_reduce_tensor`` + ZMQ to each reader)
+* ``vllm_arena``  vLLM 0.33.0's own arena (``enable_shm_tensor_arena=True``)
+* ``ours``        ``install_shm_tensor_arena()`` (modelexpress.shm_arena)
+
+Workload: every message carries one 200 MiB bf16 tensor plus 0-2 tensors of
+8-100 MB of mixed dtypes; then a "large" phase of 300-600 MB tensors; then a
+"reuse" phase where the sender overwrites its tensor right after ``enqueue``
+(readers check tag bytes: vLLM's zero-copy ZMQ send aliases the sender's
+memory, vLLM PR #53217).
+
+Per message: the writer's ``enqueue`` time, the time until EVERY reader holds
+the tensors (``dequeue`` returned; CLOCK_MONOTONIC is system-wide, so reader and
+writer stamps compare), and the host bytes copied (measured: arena bytes once,
+plus each non-arena tensor once per reader). The memcpy floor is measured in the
+same child process for every message: a warm ``torch`` copy of the message's
+tensors into a warm buffer (median of 3).
+
+Pacing: the next message is sent when every reader has reported and dropped
+the previous one (interactive serving, one image at a time). Readers park on
+vLLM's notify socket instead of busy-spinning (``busy_loop_s = 0``), in all three
+modes alike: with 4 readers on a 2-core machine, spinning readers would take the
+CPU from the writer and measure the scheduler. ``--reader-spin`` keeps vLLM's
+1 s busy loop.
+
+``--gpu`` (GPU machine): reader 0 initialises CUDA before attaching and, after
+stamping, copies the 200 MiB tensor to the GPU (non_blocking + synchronize);
+the pinned ceiling is a ``pin_memory=True`` tensor of the same size.
+
+Last line: one JSON object with speedup_vs_default_4r (median default / median
+ours), p95_ratio_vs_vllm_arena_4r (p95 vLLM arena / p95 ours) and
+max_over_memcpy_4r (ours worst message / its memcpy floor), all to the time every
+reader holds the tensors; the same for 2 readers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+MIB = 1 << 20
+MB = 1000 * 1000
+MODES = ("default", "vllm_arena", "ours")
+TAG_POSITIONS = 3  # tag bytes at start, middle, end of each tensor's bytes
+
+
+# --------------------------------------------------------------------------- workload
+def make_workload(seed: int, messages: int, main_bytes: int, quick: bool) -> dict[str, Any]:
+    rng = random.Random(seed)
+    dtypes = ["float32", "bfloat16", "float16", "int8", "uint8"]
+    main = []
+    for _ in range(messages):
+        extras = [(rng.randint(8 * MB, 100 * MB), rng.choice(dtypes))
+                  for _ in range(rng.randint(0, 2))]
+        main.append([(main_bytes, "bfloat16")] + extras)
+    large_sizes = [300, 450, 600] if not quick else [300, 600]
+    large = [[(rng.randint(s * MB - 20 * MB, s * MB), "bfloat16")] for s in large_sizes]
+    reuse = [[(main_bytes, "bfloat16")] for _ in range(3)]
+    return {"main": main, "large": large, "reuse": reuse}
+
+
+def _round(nbytes: int, dtype: str) -> int:
+    import torch
+    size = getattr(torch, dtype).itemsize
+    return nbytes - nbytes % size
+
+
+# --------------------------------------------------------------------------- reader
+def _arena_range(mq: Any) -> tuple[int, int] | None:
+    import numpy as np
+    arena = getattr(mq, "tensor_arena", None)
+    if arena is None:
+        return None
+    buf = arena._segment.mm if hasattr(arena, "_segment") else arena.shared_memory.buf
+    base = np.frombuffer(buf, dtype=np.uint8)
+    return base.ctypes.data, base.nbytes
+
+
+def reader_main(handle: Any, rank: int, reports: Any, spin: bool, gpu: bool) -> None:
+    import torch
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    if gpu and rank == 0:
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # make the context before attaching (pins at attach)
+    mq = MessageQueue.create_from_handle(handle, rank)
+    if not spin:
+        mq._spin_condition.busy_loop_s = 0.0
+    mq.wait_until_ready()
+    arena = _arena_range(mq)
+    pinned_ceiling = None
+    while True:
+        obj = mq.dequeue(timeout=300)
+        stamp = time.monotonic()
+        if obj is None:
+            break
+        msg_id, tag, tensors = obj
+        arena_bytes = other_bytes = 0
+        ok = True
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            ptr = t.data_ptr()
+            if arena is not None and arena[0] <= ptr < arena[0] + arena[1]:
+                arena_bytes += nbytes
+            else:
+                other_bytes += nbytes
+            raw = t.view(-1).view(torch.uint8)
+            for pos in (0, nbytes // 2, nbytes - 1):
+                ok &= int(raw[pos]) == tag
+        h2d = None
+        if gpu and rank == 0:
+            src = tensors[0]
+            torch.cuda.synchronize()
+            began = time.monotonic()
+            src.to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            h2d = src.numel() * src.element_size() / (time.monotonic() - began) / 1e9
+            if pinned_ceiling is None:
+                pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                pinned.to("cuda", non_blocking=True)
+                torch.cuda.synchronize()
+                began = time.monotonic()
+                pinned.to("cuda", non_blocking=True)
+                torch.cuda.synchronize()
+                pinned_ceiling = pinned.numel() * pinned.element_size() / (
+                    time.monotonic() - began) / 1e9
+                del pinned
+        del obj, tensors, t, raw
+        reports.put((rank, msg_id, stamp, arena_bytes, other_bytes, ok, h2d, pinned_ceiling))
+
+
+# --------------------------------------------------------------------------- child run
+def child_main(mode: str, n_readers: int, seed: int, messages: int, main_bytes: int,
+               quick: bool, spin: bool, gpu: bool) -> None:
+    import torch
+    if mode == "ours":
+        from modelexpress.engines.vllm import install_shm_tensor_arena
+        install_shm_tensor_arena(arena_bytes=2048 * MIB, prefault=True)
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    workload = make_workload(seed, messages, main_bytes, quick)
+    max_bytes = max(n for msg in workload["main"] + workload["large"] for n, _ in msg)
+    sources = [torch.empty(max_bytes, dtype=torch.uint8) for _ in range(3)]
+    for s in sources:
+        s.fill_(1)  # warm pages: the sender's tensors exist before they are sent
+    scratch = torch.empty(max(sum(n for n, _ in m) for m in workload["main"] + workload["large"]),
+                          dtype=torch.uint8)
+    scratch.fill_(0)
+
+    def build(msg: list[tuple[int, str]], tag: int) -> list[Any]:
+        out = []
+        for i, (nbytes, dtype) in enumerate(msg):
+            nbytes = _round(nbytes, dtype)
+            raw = sources[i][:nbytes]
+            for pos in (0, nbytes // 2, nbytes - 1):
+                raw[pos] = tag
+            out.append(raw.view(getattr(torch, dtype)))
+        return out
+
+    def floor(tensors: list[Any]) -> float:
+        times = []
+        for _ in range(3):
+            began = time.perf_counter()
+            off = 0
+            for t in tensors:
+                raw = t.view(-1).view(torch.uint8)
+                scratch[off:off + raw.numel()].copy_(raw)
+                off += raw.numel()
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    mq = MessageQueue(n_readers, n_readers, enable_shm_tensor_arena=(mode == "vllm_arena"))
+    ctx = mp.get_context("fork")
+    reports = ctx.Queue()
+    procs = [ctx.Process(target=reader_main, args=(mq.export_handle(), r, reports, spin, gpu))
+             for r in range(n_readers)]
+    for p in procs:
+        p.start()
+    mq.wait_until_ready()
+    prefault_s = None
+    if mode == "ours":
+        # As in vLLM, where the queue exists long before the first request:
+        # bounded wait for the background pre-fault (reported, not hidden).
+        began = time.monotonic()
+        mq.tensor_arena.wait_warm(60.0)
+        prefault_s = mq.tensor_arena.prefault_seconds
+        print(f"[{mode} {n_readers}r] waited {time.monotonic() - began:.3f} s for pre-fault "
+              f"(took {prefault_s})", file=sys.stderr)
+
+    results: dict[str, Any] = {"mode": mode, "readers": n_readers, "prefault_s": prefault_s}
+    msg_id = 0
+    for phase in ("main", "large", "reuse"):
+        records = []
+        for msg in workload[phase]:
+            msg_id += 1
+            tag = 1 + msg_id % 200
+            tensors = build(msg, tag)
+            floor_s = floor(tensors) if phase != "reuse" else None
+            began = time.monotonic()
+            mq.enqueue((msg_id, tag, tensors))
+            enq = time.monotonic() - began
+            if phase == "reuse":
+                for t in tensors:  # the sender reuses its buffers at once
+                    t.view(-1).view(torch.uint8).fill_(255)
+            got = [reports.get(timeout=300) for _ in range(n_readers)]
+            assert all(g[1] == msg_id for g in got), got
+            hold = max(g[2] for g in got) - began
+            arena_bytes = got[0][3]
+            other = got[0][4]
+            records.append({
+                "enqueue_ms": enq * 1e3, "hold_ms": hold * 1e3,
+                "floor_ms": None if floor_s is None else floor_s * 1e3,
+                "bytes": arena_bytes + other, "arena_bytes": arena_bytes,
+                "bytes_copied": arena_bytes + n_readers * other,
+                "ok": all(g[5] for g in got),
+                "h2d_gbps": got[[g[0] for g in got].index(0)][6],
+                "pinned_ceiling_gbps": got[[g[0] for g in got].index(0)][7],
+            })
+            del tensors
+        results[phase] = records
+    mq.enqueue(None)
+    for p in procs:
+        p.join(60)
+    results["exit_codes"] = [p.exitcode for p in procs]
+    if mode == "ours":
+        results["arena_stats"] = mq.tensor_arena.stats()
+    print(json.dumps(results))
+
+
+# --------------------------------------------------------------------------- parent
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 messages, 2 and 4 readers")
+    parser.add_argument("--messages", type=int, default=None)
+    parser.add_argument("--readers", default="2,4")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--main-mib", type=int, default=200)
+    parser.add_argument("--reader-spin", action="store_true")
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--child", nargs=2, metavar=("MODE", "READERS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    messages = args.messages or (8 if args.quick else 24)
+    if args.child:
+        child_main(args.child[0], int(args.child[1]), seed, messages, args.main_mib * MIB,
+                   args.quick, args.reader_spin, args.gpu)
+        return
+
+    print(f"seed={seed} messages={messages} main={args.main_mib} MiB cpus={os.cpu_count()}",
+          file=sys.stderr)
+    summary: dict[str, Any] = {"bench": "shm_arena", "seed": seed, "messages": messages}
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    for n in [int(x) for x in args.readers.split(",")]:
+        for mode in MODES:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, str(n),
+                   "--seed", str(seed), "--messages", str(messages),
+                   "--main-mib", str(args.main_mib)]
+            cmd += ["--quick"] * args.quick + ["--reader-spin"] * args.reader_spin
+            cmd += ["--gpu"] * args.gpu
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=900)
+            if proc.returncode != 0:
+                raise SystemExit(f"child {mode} {n} failed with exit code {proc.returncode}")
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+            if any(code != 0 for code in run["exit_codes"]):
+                raise SystemExit(f"child {mode} {n}: reader exit codes {run['exit_codes']}")
+            runs[(mode, n)] = run
+            main_recs = run["main"]
+            holds = [r["hold_ms"] for r in main_recs]
+            print(f"\n[{mode}, {n} readers] hold ms per message: "
+                  + " ".join(f"{h:.0f}" for h in holds), file=sys.stderr)
+            print(f"  enqueue ms: " + " ".join(f"{r['enqueue_ms']:.0f}" for r in main_recs),
+                  file=sys.stderr)
+            print(f"  floor ms:   " + " ".join(f"{r['floor_ms']:.0f}" for r in main_recs),
+                  file=sys.stderr)
+            print(f"  median {statistics.median(holds):.1f}  p95 {_pct(holds, 0.95):.1f}  "
+                  f"max {max(holds):.1f}  copied/msg {statistics.mean(r['bytes_copied'] for r in main_recs) / MB:.0f} MB  "
+                  f"large on arena {sum(r['arena_bytes'] == r['bytes'] for r in run['large'])}/{len(run['large'])}  "
+                  f"large hold ms {[round(r['hold_ms']) for r in run['large']]}  "
+                  f"reuse corrupted {sum(not r['ok'] for r in run['reuse'])}/{len(run['reuse'])}",
+                  file=sys.stderr)
+            key = f"{mode}_{n}r"
+            summary[f"{key}_median_ms"] = round(statistics.median(holds), 2)
+            summary[f"{key}_p95_ms"] = round(_pct(holds, 0.95), 2)
+            summary[f"{key}_max_ms"] = round(max(holds), 2)
+            summary[f"{key}_enqueue_median_ms"] = round(
+                statistics.median(r["enqueue_ms"] for r in main_recs), 2)
+            summary[f"{key}_bytes_copied_per_msg_mb"] = round(
+                statistics.mean(r["bytes_copied"] for r in main_recs) / MB, 1)
+            summary[f"{key}_main_ok"] = all(r["ok"] for r in main_recs + run["large"])
+            summary[f"{key}_reuse_corrupted"] = sum(not r["ok"] for r in run["reuse"])
+            summary[f"{key}_large_on_arena"] = sum(
+                r["arena_bytes"] == r["bytes"] for r in run["large"])
+            if args.gpu:
+                h2d = [r["h2d_gbps"] for r in main_recs if r["h2d_gbps"]]
+                ceiling = main_recs[0]["pinned_ceiling_gbps"]
+                summary[f"{key}_h2d_median_gbps"] = round(statistics.median(h2d), 2)
+                summary[f"{key}_pinned_ceiling_gbps"] = round(ceiling, 2)
+                summary[f"{key}_h2d_over_pinned"] = round(statistics.median(h2d) / ceiling, 3)
+        ours = runs[("ours", n)]
+        ratios = [r["hold_ms"] / r["floor_ms"] for r in ours["main"]]
+        large_ratios = [r["hold_ms"] / r["floor_ms"] for r in ours["large"]]
+        summary[f"speedup_vs_default_{n}r"] = round(
+            summary[f"default_{n}r_median_ms"] / summary[f"ours_{n}r_median_ms"], 2)
+        summary[f"p95_ratio_vs_vllm_arena_{n}r"] = round(
+            summary[f"vllm_arena_{n}r_p95_ms"] / summary[f"ours_{n}r_p95_ms"], 2)
+        summary[f"max_over_memcpy_{n}r"] = round(max(ratios), 3)
+        summary[f"max_over_memcpy_large_{n}r"] = round(max(large_ratios), 3)
+        summary[f"ours_{n}r_prefault_s"] = ours["prefault_s"]
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The modelexpress arena inside vLLM 0.33.0's real MessageQueue, readers forked.
+
+Each scenario runs in a fresh interpreter (patches and /dev/shm state do not
+leak between tests); the seed is logged and the exit code checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+
+log = logging.getLogger(__name__)
+SCENARIOS = pathlib.Path(__file__).with_name("vllm_shm_scenarios.py")
+
+
+def entries() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("mx_shm_arena")}
+
+
+def run(name: str, timeout: float = 240) -> str:
+    seed = random.randrange(1 << 30)
+    log.info("scenario %s seed=%d", name, seed)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MX_SHM")}
+    before = entries()
+    proc = subprocess.run([sys.executable, str(SCENARIOS), name, str(seed)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"seed={seed} exit={proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    assert proc.stdout.strip().endswith("ok"), proc.stdout
+    assert entries() == before, "a shared-memory segment leaked"
+    return proc.stdout
+
+
+@pytest.mark.vllm
+def test_install_plugin_version_gate_and_queue_selection() -> None:
+    run("api")
+
+
+@pytest.mark.vllm
+def test_round_trip_through_forked_readers_with_sender_overwrite() -> None:
+    run("roundtrip")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_stress_four_readers_two_thousand_messages() -> None:
+    out = run("stress", timeout=300)
+    log.info("%s", out)
+
+
+@pytest.mark.vllm
+def test_doctor_checks_pass() -> None:
+    code = ("from modelexpress.engines.vllm.diagnostics import doctor_checks\n"
+            "from modelexpress.shm_arena.diagnostics import doctor_checks as arena\n"
+            "from modelexpress.doctor import run_checks\n"
+            "results, ok = run_checks(doctor_checks() + arena())\n"
+            "print([(r.name, r.status, r.detail) for r in results])\n"
+            "assert all(r.status == 'ok' for r in results), results\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+
+
+def test_plugin_leaves_vllm_alone_without_the_setting() -> None:
+    code = ("import sys\n"
+            "from modelexpress.engines.vllm.plugin import register\n"
+            "from modelexpress.engines.vllm.shm import installed_config\n"
+            "register(); register()\n"
+            "assert installed_config() is None\n"
+            "assert 'vllm' not in sys.modules, 'register() imported vLLM for nothing'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MX_SHM")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
