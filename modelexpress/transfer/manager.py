@@ -181,6 +181,19 @@ class NixlTransferManager:
     # -- registration ---------------------------------------------------------------
     def _register(self, mem: str, regions: list[Region], strategy: str, reason: str
                   ) -> RegistrationInfo:
+        # Skip regions already covered by an earlier registration of this agent. NIXL
+        # publishes every registration in the agent metadata, and a peer refuses the
+        # whole metadata (NIXL_ERR_NOT_ALLOWED in loadRemoteSections) when one
+        # (addr, len, dev) appears twice with different keys: seen on the GPU machine
+        # when two tensor sets shared caching-allocator segments.
+        index = RegionIndex(self.registered_regions(mem))
+        fresh = [r for r in regions if index.containing(r[0], r[0] + r[1], r[2]) is None]
+        if len(fresh) < len(regions):
+            log.debug("%d of %d %s regions already registered; skipped",
+                      len(regions) - len(fresh), len(regions), mem)
+        regions = fresh
+        if not regions:
+            return RegistrationInfo(strategy, 0, 0, 0.0, reason or "already registered")
         t0 = time.perf_counter()
         handle = self._agent.register(regions, mem)  # type: ignore[arg-type]
         seconds = time.perf_counter() - t0
