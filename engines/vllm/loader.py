@@ -186,6 +186,7 @@ class MxModelLoader(BaseModelLoader):
     def _load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
               device: torch.device,
               report: LoadReport) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
+        registrations = _LayerRegistrations(vllm_config)
         model = self._create(vllm_config, model_config, prefix, device)
         if not self.options.pull:
             report.fallback_reason = "pull disabled (mx_pull=false)"
@@ -201,6 +202,7 @@ class MxModelLoader(BaseModelLoader):
                 logger.info("modelexpress: re-creating %s for the %s loader: the failed "
                             "pull attempt had post-processed it", model_config.model,
                             self.options.fallback_load_format)
+                registrations.forget_since_snapshot()
                 del model
                 _release_cached_memory()
                 model = self._create(vllm_config, model_config, prefix, device)
@@ -322,6 +324,30 @@ class MxModelLoader(BaseModelLoader):
 @dataclasses.dataclass
 class _PullAttempt:
     touched: bool = False  # the model was written to; the disk path needs a new one
+
+
+class _LayerRegistrations:
+    """What model construction registered in the vLLM config, to undo it for a rebuild.
+
+    vLLM's attention, Mamba and MoE layers register themselves by name in
+    ``compilation_config.static_forward_context`` (MoE also in
+    ``static_all_moe_layers``) and refuse a second layer of the same name ("Duplicate
+    layer name"). A discarded model's entries would also keep it alive. So the loader
+    snapshots both before building and, before building again, drops what was added.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self._compilation = vllm_config.compilation_config
+        self._context_keys = set(self._compilation.static_forward_context)
+        self._moe_count = len(getattr(self._compilation, "static_all_moe_layers", ()))
+
+    def forget_since_snapshot(self) -> None:
+        context = self._compilation.static_forward_context
+        for name in [k for k in context if k not in self._context_keys]:
+            del context[name]
+        moe = getattr(self._compilation, "static_all_moe_layers", None)
+        if moe is not None:
+            del moe[self._moe_count:]
 
 
 def _post_process(model: nn.Module, model_config: ModelConfig, device: torch.device) -> None:

@@ -6,9 +6,10 @@ constructor, registered through ``vllm.ModelRegistry``) built from vLLM's own la
 ``RMSNorm``, loaded by vLLM's ``AutoWeightsLoader`` from a safetensors checkpoint
 through vLLM's ``DefaultModelLoader``. vLLM's Llama class itself cannot be built on
 these CPU machines (its attention layer asks the platform for an attention backend,
-and without vLLM's CPU build there is none), so the tiny model has no attention;
-everything the loader touches (construction, weight loading, post-processing) is
-vLLM's real code.
+and without vLLM's CPU build there is none), so the tiny model has no attention; it
+does register itself in ``static_forward_context`` and refuse a duplicate name, as
+vLLM's attention layers do. Everything the loader touches (construction, weight
+loading, post-processing) is vLLM's real code.
 
 ``_PackedLinear`` imitates what vLLM's quantized and repacking kernels do in
 ``process_weights_after_loading``: the forward reads a repacked weight kept on a
@@ -130,6 +131,13 @@ class MxTinyForCausalLM(nn.Module):
             _Block(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, f"{prefix}layers.{i}")
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        # like vLLM's attention layers: register by name in the forward context, and
+        # refuse a duplicate (a loader that builds twice must undo the first build)
+        context = vllm_config.compilation_config.static_forward_context
+        name = f"{prefix}tiny.attn"
+        if name in context:
+            raise ValueError(f"Duplicate layer name: {name}")
+        context[name] = self.norm
         # a non-persistent buffer computed at construction (like rotary inv_freq)
         self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8) / 8)),
                              persistent=False)
@@ -253,12 +261,16 @@ def logits(model: nn.Module, tokens: torch.Tensor | None = None) -> torch.Tensor
 
 # --- collector tests -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory):
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     model_dir = tmp_path_factory.mktemp("tiny")
     write_checkpoint(model_dir)
-    vllm_config = make_vllm_config(model_dir)
-    init_vllm_distributed(vllm_config)
-    return vllm_config
+    init_vllm_distributed(make_vllm_config(model_dir))
+    return model_dir
+
+
+def _build(model_dir: pathlib.Path, load_format: str) -> nn.Module:
+    # one VllmConfig per model, as one engine builds one model
+    return build_model(make_vllm_config(model_dir), load_format)
 
 
 def _copy_into(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> None:
@@ -268,10 +280,10 @@ def _copy_into(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> No
         dst[name].copy_(tensor)
 
 
-def test_collector_finds_kernel_tensors_and_dedupes_views(tiny) -> None:
+def test_collector_finds_kernel_tensors_and_dedupes_views(tiny_dir) -> None:
     from modelexpress.engines.vllm.tensors import collect_model_tensors
 
-    model = build_model(tiny, "auto")
+    model = _build(tiny_dir, "auto")
     tensors = collect_model_tensors(model)
     names = list(tensors)
     # everything the forward reads, including what is not a parameter or buffer
@@ -288,24 +300,24 @@ def test_collector_finds_kernel_tensors_and_dedupes_views(tiny) -> None:
     tensors["layers.1.packed.kernel.w_t"].zero_()
     assert model.layers[1].packed.kernel.w_t.abs().sum() == 0
     # two processes running this code name the same memory the same way
-    again = collect_model_tensors(build_model(tiny, "dummy"))
+    again = collect_model_tensors(_build(tiny_dir, "dummy"))
     assert list(again) == names
 
 
-def test_pulling_every_collected_tensor_reproduces_the_output(tiny) -> None:
+def test_pulling_every_collected_tensor_reproduces_the_output(tiny_dir) -> None:
     from modelexpress.engines.vllm.tensors import collect_model_tensors
 
-    source = build_model(tiny, "auto")
-    target = build_model(tiny, "dummy")  # placeholder weights, post-processed
+    source = _build(tiny_dir, "auto")
+    target = _build(tiny_dir, "dummy")  # placeholder weights, post-processed
     assert not torch.allclose(logits(source), logits(target))
     _copy_into(collect_model_tensors(target), collect_model_tensors(source))
     torch.testing.assert_close(logits(target), logits(source), rtol=0, atol=0)
 
 
-def test_parameters_and_buffers_alone_give_silently_wrong_output(tiny) -> None:
+def test_parameters_and_buffers_alone_give_silently_wrong_output(tiny_dir) -> None:
     """The reason the collector walks kernel objects: state_dict() is not enough."""
-    source = build_model(tiny, "auto")
-    target = build_model(tiny, "dummy")
+    source = _build(tiny_dir, "auto")
+    target = _build(tiny_dir, "dummy")
     src_state = dict(source.named_parameters()) | dict(source.named_buffers())
     with torch.no_grad():
         for name, tensor in list(target.named_parameters()) + list(target.named_buffers()):
