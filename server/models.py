@@ -41,6 +41,12 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Out(BaseModel):
+    # Replies drop keys they do not declare instead of failing: a record written by a
+    # newer server version (shared Redis during a rolling upgrade) must not be a 500.
+    model_config = ConfigDict(extra="ignore")
+
+
 class IdentityIn(_Model):
     """A :class:`~modelexpress.identity.ModelIdentity` on the wire (``id`` optional, checked)."""
 
@@ -97,7 +103,7 @@ class SourcePublish(_Model):
         return value
 
 
-class SourceOut(_Model):
+class SourceOut(_Out):
     """A source without its manifest and metadata (what lists return)."""
 
     id: str
@@ -137,7 +143,7 @@ class TransferCreate(_Model):
         None, description="How to pick a source when none is given (default: MX_SOURCE_POLICY).")
 
 
-class TransferOut(_Model):
+class TransferOut(_Out):
     """A transfer record."""
 
     id: str
@@ -175,7 +181,7 @@ class ProgressIn(_Model):
         return self
 
 
-class ProgressOut(_Model):
+class ProgressOut(_Out):
     """Reply to a progress report: ``stop`` true means abort at the next chunk, then
     finish with state STOPPED."""
 
@@ -199,7 +205,7 @@ class AgentRegister(_Model):
                       Field(max_length=64)] = {}
 
 
-class AgentOut(_Model):
+class AgentOut(_Out):
     """A registered agent."""
 
     id: str
@@ -209,13 +215,13 @@ class AgentOut(_Model):
     last_seen: float
 
 
-class AssignmentsOut(_Model):
+class AssignmentsOut(_Out):
     """Transfers newly assigned to an agent (claimed by this poll)."""
 
     transfers: list[TransferOut]
 
 
-class HealthOut(_Model):
+class HealthOut(_Out):
     """``GET /v1/health``."""
 
     status: Literal["ok", "degraded"]
@@ -223,7 +229,7 @@ class HealthOut(_Model):
     detail: str = ""
 
 
-class ErrorOut(_Model):
+class ErrorOut(_Out):
     """Every 4xx/5xx body."""
 
     detail: str

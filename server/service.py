@@ -421,10 +421,10 @@ class ControlPlane:
                         return s  # revived or already marked meanwhile
                     return {**s, "state": _S.STALE.value, "updated_at": now}
                 try:
-                    self.store.update("sources", src["id"], stale)
-                    counts["staled"] += 1
+                    new = self.store.update("sources", src["id"], stale)
                 except NotFoundError:
                     continue
+                counts["staled"] += new["state"] == _S.STALE.value and new["updated_at"] == now
         for t in self.store.list("transfers"):
             if t["state"] in {s.value for s in TERMINAL} and now - t["updated_at"] > self.gc_after_s:
                 counts["transfers_deleted"] += self.store.delete("transfers", t["id"])
