@@ -60,7 +60,8 @@ def identity_from_vllm(vllm_config: "VllmConfig", model_config: "ModelConfig | N
     parallel = vllm_config.parallel_config
     tp_size = parallel.tensor_parallel_size
     pp_size = parallel.pipeline_parallel_size
-    tp_rank, pp_rank, dp_rank = ranks if ranks is not None else vllm_ranks()
+    tp_rank, pp_rank, dp_rank = ranks if ranks is not None else vllm_ranks(
+        data_parallel=parallel.data_parallel_size > 1)
 
     facts: dict[str, Any] = {
         "vllm": vllm.__version__,
@@ -99,8 +100,12 @@ def identity_from_vllm(vllm_config: "VllmConfig", model_config: "ModelConfig | N
     )
 
 
-def vllm_ranks() -> tuple[int, int, int]:
+def vllm_ranks(*, data_parallel: bool = False) -> tuple[int, int, int]:
     """``(tp_rank, pp_rank, dp_rank)`` from vLLM's distributed state, or zeros.
+
+    Args:
+        data_parallel: the engine runs with DP > 1 (only then does vLLM build a DP
+            group worth asking; its loaders use the same rule).
 
     Returns:
         The ranks of this process; zeros when vLLM's model-parallel groups are not
@@ -112,7 +117,7 @@ def vllm_ranks() -> tuple[int, int, int]:
         return 0, 0, 0
     tp_rank = ps.get_tensor_model_parallel_rank()
     pp_rank = ps.get_pp_group().rank_in_group
-    dp_rank = ps.get_dp_group().rank_in_group
+    dp_rank = ps.get_dp_group().rank_in_group if data_parallel else 0
     return tp_rank, pp_rank, dp_rank
 
 
