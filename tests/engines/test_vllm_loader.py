@@ -306,6 +306,18 @@ def test_unreachable_server_falls_back_without_recreating(
     assert any("falling back to the auto loader" in r.getMessage() for r in caplog.records)
 
 
+def test_arena_request_on_a_cpu_load_is_ignored_with_a_warning(
+        model_dir, reference, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("MX_VMM_ARENA", "1")
+    vc = make_vllm_config(model_dir, "mx", {"mx_pull": False, "mx_serve": False})
+    with caplog.at_level(logging.WARNING, logger="modelexpress.engines.vllm.loader"):
+        model, ours = _load(vc)
+    assert ours.options.vmm_arena and not ours.last_report.vmm_arena
+    assert any("MX_VMM_ARENA=1 ignored" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(logits(model), reference, rtol=0, atol=0)
+
+
 @pytest.mark.nixl
 def test_no_ready_source_loads_from_disk_then_serves(mx_env, model_dir, reference) -> None:
     from modelexpress.engines.vllm.loader import stop_serving
