@@ -31,8 +31,8 @@ are thread-safe. The hot, single-record routes that every worker hits every few
 seconds (heartbeat, progress, health) are ``async def`` and call the store directly:
 one SQLite update is ~20 us and one Redis WATCH/MULTI round trip well under a
 millisecond on a local network, while the thread hop and the GIL hand-offs it costs
-dominated their latency on a busy 2-core machine (bench/server.py: saturation
-~1000 -> ~2800 req/s, p50 ~1.2 -> ~0.6 ms on SQLite). The long poll is ``async``
+dominated their latency on a busy 2-core machine (bench/server.py on SQLite:
+p50 1.2 -> 0.6 ms; see docs/benchmarks.md, Control plane). The long poll is ``async``
 too, so waiting agents hold no thread; its store reads go to the pool.
 """
 
