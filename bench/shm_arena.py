@@ -1,8 +1,9 @@
 """A/B/C of vLLM's MessageQueue tensor paths: default out-of-band, vLLM 0.33's arena, ours.
 
-One seeded workload goes through a real vLLM ``MessageQueue`` with N forked local
-readers, three ways, each in a fresh process (so no path inherits another's warm
-pages or patches):
+One seeded workload goes through real vLLM ``MessageQueue``s with N forked local
+readers, three ways, in one fresh writer process per reader count, interleaved
+message by message (the order rotates), so that all three see the same machine
+load (a shared 2-core machine's load swings 2-3x within a minute):
 
 * ``default``     vLLM's out-of-band path (``_reduce_tensor`` + ZMQ to each reader)
 * ``vllm_arena``  vLLM 0.33.0's own arena (``enable_shm_tensor_arena=True``)
@@ -18,8 +19,11 @@ Per message: the writer's ``enqueue`` time, the time until EVERY reader holds
 the tensors (``dequeue`` returned; CLOCK_MONOTONIC is system-wide, so reader and
 writer stamps compare), and the host bytes copied (measured: arena bytes once,
 plus each non-arena tensor once per reader). The memcpy floor is measured in the
-same child process for every message: a warm ``torch`` copy of the message's
-tensors into a warm buffer (median of 3).
+same child process for every message, right before our send of it: a warm
+``torch`` copy of the message's tensors into a warm buffer (median of 3). Two
+ratios are reported: against that per-message floor (same moment, same load),
+and against the run's floor (the median floor bandwidth applied to each
+message's bytes), which on a shared machine also contains the load swings.
 
 Pacing: the next message is sent when every reader has reported and dropped
 the previous one (interactive serving, one image at a time). Readers park on
@@ -34,8 +38,9 @@ the pinned ceiling is a ``pin_memory=True`` tensor of the same size.
 
 Last line: one JSON object with speedup_vs_default_4r (median default / median
 ours), p95_ratio_vs_vllm_arena_4r (p95 vLLM arena / p95 ours) and
-max_over_memcpy_4r (ours worst message / its memcpy floor), all to the time every
-reader holds the tensors; the same for 2 readers.
+max_over_memcpy_4r (ours worst message / its memcpy floor; the run-floor variant
+is max_over_memcpy_run_floor_4r), all to the time every reader holds the
+tensors; the same for 2 readers.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from typing import Any
 MIB = 1 << 20
 MB = 1000 * 1000
 MODES = ("default", "vllm_arena", "ours")
-TAG_POSITIONS = 3  # tag bytes at start, middle, end of each tensor's bytes
+SETTLE_S = 0.05  # idle time before each timed send
 
 
 # --------------------------------------------------------------------------- workload
@@ -142,13 +147,25 @@ def reader_main(handle: Any, rank: int, reports: Any, spin: bool, gpu: bool) -> 
 
 
 # --------------------------------------------------------------------------- child run
-def child_main(mode: str, n_readers: int, seed: int, messages: int, main_bytes: int,
-               quick: bool, spin: bool, gpu: bool) -> None:
+def child_main(n_readers: int, seed: int, messages: int, main_bytes: int, quick: bool,
+               spin: bool, gpu: bool) -> None:
+    """All three paths in one writer process, interleaved message by message.
+
+    Interleaving (rotating the order every message) exposes the three paths to
+    the same machine load: on a shared 2-core machine the load changes by 2-3x
+    within a minute, which would otherwise decide the comparison.
+    """
     import torch
-    if mode == "ours":
-        from modelexpress.engines.vllm import install_shm_tensor_arena
-        install_shm_tensor_arena(arena_bytes=2048 * MIB, prefault=True)
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from modelexpress.engines.vllm import install_shm_tensor_arena
+
+    # vLLM's two paths are created before the install (which only affects
+    # queues created afterwards), ours after it.
+    queues = {"default": MessageQueue(n_readers, n_readers),
+              "vllm_arena": MessageQueue(n_readers, n_readers, enable_shm_tensor_arena=True)}
+    install_shm_tensor_arena(arena_bytes=2048 * MIB, prefault=True)
+    queues["ours"] = MessageQueue(n_readers, n_readers)
 
     workload = make_workload(seed, messages, main_bytes, quick)
     max_bytes = max(n for msg in workload["main"] + workload["large"] for n, _ in msg)
@@ -181,61 +198,75 @@ def child_main(mode: str, n_readers: int, seed: int, messages: int, main_bytes: 
             times.append(time.perf_counter() - began)
         return statistics.median(times)
 
-    mq = MessageQueue(n_readers, n_readers, enable_shm_tensor_arena=(mode == "vllm_arena"))
     ctx = mp.get_context("fork")
-    reports = ctx.Queue()
-    procs = [ctx.Process(target=reader_main, args=(mq.export_handle(), r, reports, spin, gpu))
-             for r in range(n_readers)]
+    reports = {mode: ctx.Queue() for mode in MODES}
+    procs = []
+    for mode in MODES:
+        for r in range(n_readers):
+            procs.append(ctx.Process(target=reader_main, daemon=True, args=(
+                queues[mode].export_handle(), r, reports[mode], spin, gpu and mode != "vllm_arena")))
     for p in procs:
         p.start()
-    mq.wait_until_ready()
-    prefault_s = None
-    if mode == "ours":
-        # As in vLLM, where the queue exists long before the first request:
-        # bounded wait for the background pre-fault (reported, not hidden).
-        began = time.monotonic()
-        mq.tensor_arena.wait_warm(60.0)
-        prefault_s = mq.tensor_arena.prefault_seconds
-        print(f"[{mode} {n_readers}r] waited {time.monotonic() - began:.3f} s for pre-fault "
-              f"(took {prefault_s})", file=sys.stderr)
+    for mode in MODES:
+        queues[mode].wait_until_ready()
+    # As in vLLM, where the queue exists long before the first request: a bounded
+    # wait for the background pre-fault (its duration is reported, not hidden).
+    began = time.monotonic()
+    queues["ours"].tensor_arena.wait_warm(60.0)
+    print(f"[{n_readers}r] waited {time.monotonic() - began:.3f} s for the pre-fault (took "
+          f"{queues['ours'].tensor_arena.prefault_seconds} s)", file=sys.stderr)
 
-    results: dict[str, Any] = {"mode": mode, "readers": n_readers, "prefault_s": prefault_s}
+    results: dict[str, Any] = {"readers": n_readers,
+                               "prefault_s": queues["ours"].tensor_arena.prefault_seconds}
+    for mode in MODES:
+        results[mode] = {"main": [], "large": [], "reuse": []}
     msg_id = 0
+    rounds = 0
+    pending: list[tuple[str, str, dict[str, Any]]] = []
     for phase in ("main", "large", "reuse"):
-        records = []
         for msg in workload[phase]:
-            msg_id += 1
-            tag = 1 + msg_id % 200
-            tensors = build(msg, tag)
-            floor_s = floor(tensors) if phase != "reuse" else None
-            began = time.monotonic()
-            mq.enqueue((msg_id, tag, tensors))
-            enq = time.monotonic() - began
-            if phase == "reuse":
-                for t in tensors:  # the sender reuses its buffers at once
-                    t.view(-1).view(torch.uint8).fill_(255)
-            got = [reports.get(timeout=300) for _ in range(n_readers)]
-            assert all(g[1] == msg_id for g in got), got
-            hold = max(g[2] for g in got) - began
-            arena_bytes = got[0][3]
-            other = got[0][4]
-            records.append({
-                "enqueue_ms": enq * 1e3, "hold_ms": hold * 1e3,
-                "floor_ms": None if floor_s is None else floor_s * 1e3,
-                "bytes": arena_bytes + other, "arena_bytes": arena_bytes,
-                "bytes_copied": arena_bytes + n_readers * other,
-                "ok": all(g[5] for g in got),
-                "h2d_gbps": got[[g[0] for g in got].index(0)][6],
-                "pinned_ceiling_gbps": got[[g[0] for g in got].index(0)][7],
-            })
-            del tensors
-        results[phase] = records
-    mq.enqueue(None)
+            rounds += 1
+            order = MODES[rounds % 3:] + MODES[:rounds % 3]
+            floor_s = None
+            for mode in order:
+                msg_id += 1
+                tag = 1 + msg_id % 200
+                tensors = build(msg, tag)
+                # Let the previous send's teardown (readers freeing 1 GB of ZMQ
+                # frames on the default path) finish before anything is timed.
+                time.sleep(SETTLE_S)
+                if mode == "ours" and phase != "reuse":
+                    # The floor is measured right before our send (same load),
+                    # and applies to all three paths of this round.
+                    floor_s = floor(tensors)
+                began = time.monotonic()
+                queues[mode].enqueue((msg_id, tag, tensors))
+                enq = time.monotonic() - began
+                if phase == "reuse":
+                    for t in tensors:  # the sender reuses its buffers at once
+                        t.view(-1).view(torch.uint8).fill_(255)
+                got = sorted(reports[mode].get(timeout=300) for _ in range(n_readers))
+                assert all(g[1] == msg_id for g in got), got
+                hold = max(g[2] for g in got) - began
+                arena_bytes, other = got[0][3], got[0][4]
+                pending.append((mode, phase, {
+                    "enqueue_ms": enq * 1e3, "hold_ms": hold * 1e3,
+                    "bytes": arena_bytes + other, "arena_bytes": arena_bytes,
+                    "bytes_copied": arena_bytes + n_readers * other,
+                    "ok": all(g[5] for g in got),
+                    "h2d_gbps": got[0][6], "pinned_ceiling_gbps": got[0][7],
+                }))
+                del tensors
+            for mode, ph, record in pending:
+                record["floor_ms"] = None if floor_s is None else floor_s * 1e3
+                results[mode][ph].append(record)
+            pending.clear()
+    for mode in MODES:
+        queues[mode].enqueue(None)
     for p in procs:
         p.join(60)
     results["exit_codes"] = [p.exitcode for p in procs]
-    if mode == "ours":
-        results["arena_stats"] = mq.tensor_arena.stats()
+    results["arena_stats"] = queues["ours"].tensor_arena.stats()
     print(json.dumps(results))
 
 
@@ -256,13 +287,13 @@ def main() -> None:
     parser.add_argument("--main-mib", type=int, default=200)
     parser.add_argument("--reader-spin", action="store_true")
     parser.add_argument("--gpu", action="store_true")
-    parser.add_argument("--child", nargs=2, metavar=("MODE", "READERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", type=int, metavar="READERS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     messages = args.messages or (8 if args.quick else 24)
     if args.child:
-        child_main(args.child[0], int(args.child[1]), seed, messages, args.main_mib * MIB,
-                   args.quick, args.reader_spin, args.gpu)
+        child_main(args.child, seed, messages, args.main_mib * MIB, args.quick,
+                   args.reader_spin, args.gpu)
         return
 
     print(f"seed={seed} messages={messages} main={args.main_mib} MiB cpus={os.cpu_count()}",
@@ -270,37 +301,41 @@ def main() -> None:
     summary: dict[str, Any] = {"bench": "shm_arena", "seed": seed, "messages": messages}
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     for n in [int(x) for x in args.readers.split(",")]:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(n),
+               "--seed", str(seed), "--messages", str(messages), "--main-mib", str(args.main_mib)]
+        cmd += ["--quick"] * args.quick + ["--reader-spin"] * args.reader_spin
+        cmd += ["--gpu"] * args.gpu
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"child with {n} readers failed with exit code {proc.returncode}")
+        child = json.loads(proc.stdout.strip().splitlines()[-1])
+        if any(code != 0 for code in child["exit_codes"]):
+            raise SystemExit(f"child {n}: reader exit codes {child['exit_codes']}")
+        summary[f"ours_{n}r_prefault_s"] = child["prefault_s"]
+        summary[f"ours_{n}r_arena_stats"] = child["arena_stats"]
         for mode in MODES:
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, str(n),
-                   "--seed", str(seed), "--messages", str(messages),
-                   "--main-mib", str(args.main_mib)]
-            cmd += ["--quick"] * args.quick + ["--reader-spin"] * args.reader_spin
-            cmd += ["--gpu"] * args.gpu
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=900)
-            if proc.returncode != 0:
-                raise SystemExit(f"child {mode} {n} failed with exit code {proc.returncode}")
-            run = json.loads(proc.stdout.strip().splitlines()[-1])
-            if any(code != 0 for code in run["exit_codes"]):
-                raise SystemExit(f"child {mode} {n}: reader exit codes {run['exit_codes']}")
+            run = child[mode]
             runs[(mode, n)] = run
             main_recs = run["main"]
             holds = [r["hold_ms"] for r in main_recs]
             print(f"\n[{mode}, {n} readers] hold ms per message: "
                   + " ".join(f"{h:.0f}" for h in holds), file=sys.stderr)
-            print(f"  enqueue ms: " + " ".join(f"{r['enqueue_ms']:.0f}" for r in main_recs),
+            print("  enqueue ms: " + " ".join(f"{r['enqueue_ms']:.0f}" for r in main_recs),
                   file=sys.stderr)
-            print(f"  floor ms:   " + " ".join(f"{r['floor_ms']:.0f}" for r in main_recs),
+            print("  floor ms:   " + " ".join(f"{r['floor_ms']:.0f}" for r in main_recs),
                   file=sys.stderr)
             print(f"  median {statistics.median(holds):.1f}  p95 {_pct(holds, 0.95):.1f}  "
-                  f"max {max(holds):.1f}  copied/msg {statistics.mean(r['bytes_copied'] for r in main_recs) / MB:.0f} MB  "
-                  f"large on arena {sum(r['arena_bytes'] == r['bytes'] for r in run['large'])}/{len(run['large'])}  "
-                  f"large hold ms {[round(r['hold_ms']) for r in run['large']]}  "
-                  f"reuse corrupted {sum(not r['ok'] for r in run['reuse'])}/{len(run['reuse'])}",
+                  f"max {max(holds):.1f}  copied/msg "
+                  f"{statistics.mean(r['bytes_copied'] for r in main_recs) / MB:.0f} MB  "
+                  f"large on arena {sum(r['arena_bytes'] == r['bytes'] for r in run['large'])}"
+                  f"/{len(run['large'])}  large hold ms {[round(r['hold_ms']) for r in run['large']]}"
+                  f"  reuse corrupted {sum(not r['ok'] for r in run['reuse'])}/{len(run['reuse'])}",
                   file=sys.stderr)
             key = f"{mode}_{n}r"
             summary[f"{key}_median_ms"] = round(statistics.median(holds), 2)
             summary[f"{key}_p95_ms"] = round(_pct(holds, 0.95), 2)
             summary[f"{key}_max_ms"] = round(max(holds), 2)
+            summary[f"{key}_first8_max_ms"] = round(max(holds[:8]), 2)
             summary[f"{key}_enqueue_median_ms"] = round(
                 statistics.median(r["enqueue_ms"] for r in main_recs), 2)
             summary[f"{key}_bytes_copied_per_msg_mb"] = round(
@@ -309,22 +344,34 @@ def main() -> None:
             summary[f"{key}_reuse_corrupted"] = sum(not r["ok"] for r in run["reuse"])
             summary[f"{key}_large_on_arena"] = sum(
                 r["arena_bytes"] == r["bytes"] for r in run["large"])
-            if args.gpu:
+            summary[f"{key}_large_max_ms"] = round(max(r["hold_ms"] for r in run["large"]), 2)
+            if args.gpu and mode != "vllm_arena":
                 h2d = [r["h2d_gbps"] for r in main_recs if r["h2d_gbps"]]
                 ceiling = main_recs[0]["pinned_ceiling_gbps"]
                 summary[f"{key}_h2d_median_gbps"] = round(statistics.median(h2d), 2)
                 summary[f"{key}_pinned_ceiling_gbps"] = round(ceiling, 2)
                 summary[f"{key}_h2d_over_pinned"] = round(statistics.median(h2d) / ceiling, 3)
         ours = runs[("ours", n)]
-        ratios = [r["hold_ms"] / r["floor_ms"] for r in ours["main"]]
-        large_ratios = [r["hold_ms"] / r["floor_ms"] for r in ours["large"]]
+        # The single-memcpy floor of the run: the median copy bandwidth over every
+        # floor measurement of this child, applied to each message's bytes. (The
+        # per-message floors are noisy on a shared 2-core machine; both reported.)
+        bw = statistics.median(r["bytes"] / r["floor_ms"] for r in ours["main"])  # bytes/ms
+        bw_large = statistics.median(r["bytes"] / r["floor_ms"] for r in ours["large"])
+        summary[f"memcpy_floor_{n}r_gbps"] = round(bw / 1e6, 2)
+        ratios = [r["hold_ms"] / (r["bytes"] / bw) for r in ours["main"]]
+        large_ratios = [r["hold_ms"] / (r["bytes"] / bw_large) for r in ours["large"]]
+        per_msg = [r["hold_ms"] / r["floor_ms"] for r in ours["main"]]
+        summary[f"median_over_memcpy_{n}r"] = round(statistics.median(per_msg), 3)
+        summary[f"max_over_memcpy_run_floor_{n}r"] = round(max(ratios), 3)
+        summary[f"max_over_memcpy_large_run_floor_{n}r"] = round(max(large_ratios), 3)
         summary[f"speedup_vs_default_{n}r"] = round(
             summary[f"default_{n}r_median_ms"] / summary[f"ours_{n}r_median_ms"], 2)
         summary[f"p95_ratio_vs_vllm_arena_{n}r"] = round(
             summary[f"vllm_arena_{n}r_p95_ms"] / summary[f"ours_{n}r_p95_ms"], 2)
-        summary[f"max_over_memcpy_{n}r"] = round(max(ratios), 3)
-        summary[f"max_over_memcpy_large_{n}r"] = round(max(large_ratios), 3)
-        summary[f"ours_{n}r_prefault_s"] = ours["prefault_s"]
+        summary[f"max_over_memcpy_{n}r"] = round(max(per_msg), 3)
+        summary[f"max_over_memcpy_large_{n}r"] = round(
+            max(r["hold_ms"] / r["floor_ms"] for r in ours["large"]), 3)
+        summary[f"ours_{n}r_over_memcpy_per_msg"] = [round(x, 2) for x in per_msg]
     print(json.dumps(summary))
 
 

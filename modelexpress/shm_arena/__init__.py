@@ -26,7 +26,13 @@ from modelexpress.shm_arena.pickler import (
     rebuild_parameter,
     rebuild_tensor,
 )
-from modelexpress.shm_arena.pinning import CompletionEvent, CudaPinner, NoPinner, Pinner, default_pinner
+from modelexpress.shm_arena.pinning import (
+    CompletionEvent,
+    CudaPinner,
+    NoPinner,
+    Pinner,
+    default_pinner,
+)
 from modelexpress.shm_arena.segment import SHM_DIR, ShmSegment, check_shm_free_space
 
 __all__ = [

@@ -82,7 +82,9 @@ class ExtentAllocator:
         if offset < 0 or end > self.capacity or offset % self.align:
             raise ValueError(f"extent [{offset}, {end}) is outside the arena or unaligned")
         i = bisect.bisect_left(self._starts, offset)
-        if (i < len(self._starts) and self._starts[i] < end) or (i > 0 and self._ends[i - 1] > offset):
+        overlaps_next = i < len(self._starts) and self._starts[i] < end
+        overlaps_prev = i > 0 and self._ends[i - 1] > offset
+        if overlaps_next or overlaps_prev:
             raise ValueError(f"extent [{offset}, {end}) is already free (double free)")
         merge_left = i > 0 and self._ends[i - 1] == offset
         merge_right = i < len(self._starts) and self._starts[i] == end

@@ -79,7 +79,8 @@ log = logging.getLogger(__name__)
 LAYOUT_VERSION = 1
 _MAGIC = int.from_bytes(b"MXSHMAR1", "little")
 _HEADER_BYTES = 4096
-_HEADER = struct.Struct("<8Q")  # magic, version, n_readers, n_desc, stride, data_off, data_bytes, pid
+# magic, version, n_readers, n_descriptors, stride, data_offset, data_bytes, creator pid
+_HEADER = struct.Struct("<8Q")
 _ALIGN = 4096
 _MAX_READERS = 1024
 
@@ -179,6 +180,21 @@ class ArenaWriter:
         capacity = _round_up(capacity_bytes, _ALIGN)
         size = self._layout.data_offset + capacity
         self._segment = ShmSegment.create(size)
+        try:
+            self._init_state(n_readers, n_descriptors, capacity, size, min_tensor_bytes,
+                             log_interval_s)
+        except BaseException:
+            self._segment.close()  # never leave a segment behind a failed constructor
+            raise
+        if prefault:
+            self._segment.start_populate(0)
+        self._finalizer = weakref.finalize(self, _close_writer, self._segment, self.__dict__)
+        log.info("shm tensor arena %s: %d MiB for %d readers, %d descriptors%s",
+                 self.handle.name, capacity >> 20, n_readers, n_descriptors,
+                 ", pre-faulting" if prefault else "")
+
+    def _init_state(self, n_readers: int, n_descriptors: int, capacity: int, size: int,
+                    min_tensor_bytes: int, log_interval_s: float) -> None:
         mm = self._segment.mm
         _HEADER.pack_into(mm, 0, _MAGIC, LAYOUT_VERSION, n_readers, n_descriptors,
                           self._layout.stride, self._layout.data_offset, capacity, os.getpid())
@@ -195,12 +211,6 @@ class ArenaWriter:
         # tensor costs ~1 us; a new frombuffer per message would cost more).
         self._data = torch.frombuffer(mm, dtype=torch.uint8, offset=self._layout.data_offset,
                                       count=capacity)
-        if prefault:
-            self._segment.start_populate(0)
-        self._finalizer = weakref.finalize(self, _close_writer, self._segment, self.__dict__)
-        log.info("shm tensor arena %s: %d MiB for %d readers, %d descriptors%s",
-                 self.handle.name, capacity >> 20, n_readers, n_descriptors,
-                 ", pre-faulting" if prefault else "")
 
     @property
     def name(self) -> str:
@@ -346,7 +356,7 @@ class ArenaReader:
         self.reader_rank = reader_rank
         self._segment = ShmSegment.attach(handle.name, handle.size)
         fields = _HEADER.unpack_from(self._segment.mm, 0)
-        if fields[0] != _MAGIC or fields[2] != handle.n_readers or fields[3] != handle.n_descriptors:
+        if fields[0] != _MAGIC or fields[2:4] != (handle.n_readers, handle.n_descriptors):
             self._segment.close()
             raise ShmArenaError(f"segment {handle.name} is not the arena its handle describes "
                                 f"(header {fields[:4]})")

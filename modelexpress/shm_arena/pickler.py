@@ -43,7 +43,8 @@ def rebuild_tensor(name: str, descriptor: int, gen: int, offset: int, nbytes: in
 
 
 def rebuild_parameter(name: str, descriptor: int, gen: int, offset: int, nbytes: int,
-                      dtype: str, shape: tuple[int, ...], requires_grad: bool) -> torch.nn.Parameter:
+                      dtype: str, shape: tuple[int, ...],
+                      requires_grad: bool) -> torch.nn.Parameter:
     """Unpickle hook for ``nn.Parameter``: wraps (shares) the same arena storage."""
     tensor = lookup_reader(name).tensor(descriptor, gen, offset, nbytes, _dtype(dtype), shape)
     return torch.nn.Parameter(tensor, requires_grad=requires_grad)
@@ -88,12 +89,14 @@ class ArenaPickler(pickle.Pickler):
         buffer_callback: passed to :class:`pickle.Pickler` unchanged.
     """
 
-    def __init__(self, file: BinaryIO, writer: ArenaWriter, *, min_tensor_bytes: int | None = None,
+    def __init__(self, file: BinaryIO, writer: ArenaWriter, *,
+                 min_tensor_bytes: int | None = None,
                  protocol: int = pickle.HIGHEST_PROTOCOL,
                  buffer_callback: Callable[[pickle.PickleBuffer], Any] | None = None) -> None:
         super().__init__(file, protocol=protocol, buffer_callback=buffer_callback)
         self._writer = writer
-        self._min_bytes = writer.min_tensor_bytes if min_tensor_bytes is None else min_tensor_bytes
+        self._min_bytes = (writer.min_tensor_bytes if min_tensor_bytes is None
+                           else min_tensor_bytes)
         self._placed: list[Placement] = []
 
     def dump(self, obj: Any) -> None:

@@ -30,7 +30,8 @@ def run(name: str, timeout: float = 240) -> str:
     before = entries()
     proc = subprocess.run([sys.executable, str(SCENARIOS), name, str(seed)], env=env,
                           capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"seed={seed} exit={proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, \
+        f"seed={seed} exit={proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
     assert proc.stdout.strip().endswith("ok"), proc.stdout
     assert entries() == before, "a shared-memory segment leaked"
     return proc.stdout
@@ -66,6 +67,7 @@ def test_doctor_checks_pass() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
 
 
+@pytest.mark.vllm
 def test_plugin_leaves_vllm_alone_without_the_setting() -> None:
     code = ("from modelexpress.engines.vllm.plugin import register\n"
             "from modelexpress.engines.vllm.shm import installed_config\n"

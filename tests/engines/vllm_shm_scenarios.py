@@ -110,7 +110,8 @@ def _cases() -> list[tuple[str, torch.Tensor, bool]]:
         ("fp8", raw.view(torch.float8_e4m3fn).clone(), True),
         ("int8", raw.view(torch.int8).clone().view(1024, -1), True),
         ("zero_dim", torch.tensor(2.5), False),  # below the divert threshold
-        ("large", torch.randint(0, 256, (300 * 1000 * 1000,), dtype=torch.uint8, generator=g), True),
+        ("large", torch.randint(0, 256, (300 * 1000 * 1000,), dtype=torch.uint8,
+                                generator=g), True),  # above vLLM's 256 MB slot
         ("param", torch.nn.Parameter(raw.view(torch.float32).clone()), True),
         ("non_contiguous", raw.view(torch.float32).view(1024, -1).t(), False),
         ("subclass", raw.view(torch.float32).clone().as_subclass(Tagged), False),
