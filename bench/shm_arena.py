@@ -32,9 +32,13 @@ modes alike: with 4 readers on a 2-core machine, spinning readers would take the
 CPU from the writer and measure the scheduler. ``--reader-spin`` keeps vLLM's
 1 s busy loop.
 
-``--gpu`` (GPU machine): reader 0 initialises CUDA before attaching and, after
-stamping, copies the 200 MiB tensor to the GPU (non_blocking + synchronize);
-the pinned ceiling is a ``pin_memory=True`` tensor of the same size.
+``--gpu`` (GPU machine; vLLM-free, since that machine has no vLLM): a forked
+reader that made its CUDA context first attaches to an arena (pinned at attach
+by ``cudaHostRegister``) and copies each 200 MiB tensor to the GPU; the same for
+a fresh pageable buffer (what the default path's ZMQ frame is) and for a
+``pin_memory=True`` tensor (the pinned ceiling). Keys: h2d_arena_gbps,
+h2d_pageable_gbps, h2d_pinned_ceiling_gbps, h2d_arena_over_pinned_ceiling.
+Without vLLM installed only this part runs.
 
 Last line: one JSON object with speedup_vs_default_4r (median default / median
 ours), p95_ratio_vs_vllm_arena_4r (p95 vLLM arena / p95 ours) and
@@ -94,18 +98,14 @@ def _arena_range(mq: Any) -> tuple[int, int] | None:
     return base.ctypes.data, base.nbytes
 
 
-def reader_main(handle: Any, rank: int, reports: Any, spin: bool, gpu: bool) -> None:
+def reader_main(handle: Any, rank: int, reports: Any, spin: bool) -> None:
     import torch
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-    if gpu and rank == 0:
-        torch.cuda.init()
-        torch.zeros(1, device="cuda")  # make the context before attaching (pins at attach)
     mq = MessageQueue.create_from_handle(handle, rank)
     if not spin:
         mq._spin_condition.busy_loop_s = 0.0
     mq.wait_until_ready()
     arena = _arena_range(mq)
-    pinned_ceiling = None
     while True:
         obj = mq.dequeue(timeout=300)
         stamp = time.monotonic()
@@ -124,31 +124,95 @@ def reader_main(handle: Any, rank: int, reports: Any, spin: bool, gpu: bool) -> 
             raw = t.view(-1).view(torch.uint8)
             for pos in (0, nbytes // 2, nbytes - 1):
                 ok &= int(raw[pos]) == tag
-        h2d = None
-        if gpu and rank == 0:
-            src = tensors[0]
-            torch.cuda.synchronize()
-            began = time.monotonic()
-            src.to("cuda", non_blocking=True)
-            torch.cuda.synchronize()
-            h2d = src.numel() * src.element_size() / (time.monotonic() - began) / 1e9
-            if pinned_ceiling is None:
-                pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-                pinned.to("cuda", non_blocking=True)
-                torch.cuda.synchronize()
-                began = time.monotonic()
-                pinned.to("cuda", non_blocking=True)
-                torch.cuda.synchronize()
-                pinned_ceiling = pinned.numel() * pinned.element_size() / (
-                    time.monotonic() - began) / 1e9
-                del pinned
         del obj, tensors, t, raw
-        reports.put((rank, msg_id, stamp, arena_bytes, other_bytes, ok, h2d, pinned_ceiling))
+        reports.put((rank, msg_id, stamp, arena_bytes, other_bytes, ok))
+
+
+# --------------------------------------------------------------------------- GPU (--gpu)
+def _gpu_reader(handle: Any, conn: Any, n_bytes: int, reps: int) -> None:
+    import numpy as np
+    import torch
+
+    from modelexpress.shm_arena import ArenaReader, CudaPinner, rebuild_tensor
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # the worker's CUDA context exists before the queue
+    began = time.monotonic()
+    reader = ArenaReader(handle, 0, pinner=CudaPinner())
+    pinned = reader.pin_now()
+    pin_s = time.monotonic() - began
+
+    def h2d(src: Any) -> float:
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        src.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        return n_bytes / (time.monotonic() - t0) / 1e9
+
+    ceiling = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
+    h2d(ceiling)
+    out: dict[str, Any] = {"pinned": pinned, "pin_s": pin_s, "arena": [], "pageable": [],
+                           "ceiling": [h2d(ceiling) for _ in range(reps)]}
+    del ceiling
+    for _ in range(reps):
+        stub = conn.recv()
+        tensor = rebuild_tensor(*stub)
+        out["arena"].append(h2d(tensor))
+        del tensor
+        reader.flush_releases()
+        # The default path's receive buffer: fresh pageable memory every message
+        # (a ZMQ frame), filled by the transport, then copied to the GPU.
+        frame = np.empty(n_bytes, dtype=np.uint8)
+        frame[:] = 1
+        out["pageable"].append(h2d(torch.from_numpy(frame)))
+        del frame
+        conn.send("next")
+    conn.send(out)
+
+
+def gpu_main(reps: int, main_bytes: int) -> dict[str, Any]:
+    """H2D in a reader with a CUDA context: arena (pinned) vs pageable vs pinned ceiling.
+
+    vLLM-free (the GPU machine has no vLLM): the writer is an ArenaWriter in this
+    process, the reader a forked process that made its CUDA context first, as a
+    vLLM worker does; stubs travel over a pipe.
+    """
+    import torch
+
+    from modelexpress.shm_arena import ArenaWriter
+    writer = ArenaWriter(1, 2048 * MIB, prefault=True)
+    writer.wait_warm(60.0)
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_gpu_reader, args=(writer.handle, child, main_bytes, reps),
+                       daemon=True)
+    proc.start()
+    src = torch.full((main_bytes,), 7, dtype=torch.uint8)
+    for _ in range(reps):
+        placement = writer.place(src)
+        assert placement is not None
+        parent.send((writer.name, placement.descriptor, placement.gen, placement.offset,
+                     placement.nbytes, "uint8", (main_bytes,), False))
+        assert parent.poll(120) and parent.recv() == "next"
+    assert parent.poll(120)
+    out = parent.recv()
+    proc.join(60)
+    if proc.exitcode != 0:
+        raise SystemExit(f"GPU reader exit code {proc.exitcode}")
+    writer.close()
+    arena = statistics.median(out["arena"])
+    ceiling = statistics.median(out["ceiling"])
+    return {"gpu_pinned": out["pinned"], "gpu_pin_s": round(out["pin_s"], 3),
+            "h2d_arena_gbps": round(arena, 2),
+            "h2d_pageable_gbps": round(statistics.median(out["pageable"]), 2),
+            "h2d_pinned_ceiling_gbps": round(ceiling, 2),
+            "h2d_arena_over_pinned_ceiling": round(arena / ceiling, 3),
+            "h2d_arena_over_pageable": round(arena / statistics.median(out["pageable"]), 2),
+            "h2d_arena_all_gbps": [round(x, 2) for x in out["arena"]]}
 
 
 # --------------------------------------------------------------------------- child run
 def child_main(n_readers: int, seed: int, messages: int, main_bytes: int, quick: bool,
-               spin: bool, gpu: bool) -> None:
+               spin: bool) -> None:
     """All three paths in one writer process, interleaved message by message.
 
     Interleaving (rotating the order every message) exposes the three paths to
@@ -204,7 +268,7 @@ def child_main(n_readers: int, seed: int, messages: int, main_bytes: int, quick:
     for mode in MODES:
         for r in range(n_readers):
             procs.append(ctx.Process(target=reader_main, daemon=True, args=(
-                queues[mode].export_handle(), r, reports[mode], spin, gpu and mode != "vllm_arena")))
+                queues[mode].export_handle(), r, reports[mode], spin)))
     for p in procs:
         p.start()
     for mode in MODES:
@@ -254,7 +318,6 @@ def child_main(n_readers: int, seed: int, messages: int, main_bytes: int, quick:
                     "bytes": arena_bytes + other, "arena_bytes": arena_bytes,
                     "bytes_copied": arena_bytes + n_readers * other,
                     "ok": all(g[5] for g in got),
-                    "h2d_gbps": got[0][6], "pinned_ceiling_gbps": got[0][7],
                 }))
                 del tensors
             for mode, ph, record in pending:
@@ -293,18 +356,24 @@ def main() -> None:
     messages = args.messages or (8 if args.quick else 24)
     if args.child:
         child_main(args.child, seed, messages, args.main_mib * MIB, args.quick,
-                   args.reader_spin, args.gpu)
+                   args.reader_spin)
         return
 
     print(f"seed={seed} messages={messages} main={args.main_mib} MiB cpus={os.cpu_count()}",
           file=sys.stderr)
     summary: dict[str, Any] = {"bench": "shm_arena", "seed": seed, "messages": messages}
     runs: dict[tuple[str, int], dict[str, Any]] = {}
-    for n in [int(x) for x in args.readers.split(",")]:
+    if args.gpu:
+        summary.update(gpu_main(reps=5 if args.quick else 12, main_bytes=args.main_mib * MIB))
+        print(f"GPU H2D: {summary}", file=sys.stderr)
+    from modelexpress._optional import available
+    readers = [int(x) for x in args.readers.split(",")] if available("vllm") else []
+    if not readers:
+        print("vllm is not installed: the MessageQueue A/B/C is skipped", file=sys.stderr)
+    for n in readers:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(n),
                "--seed", str(seed), "--messages", str(messages), "--main-mib", str(args.main_mib)]
         cmd += ["--quick"] * args.quick + ["--reader-spin"] * args.reader_spin
-        cmd += ["--gpu"] * args.gpu
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=1800)
         if proc.returncode != 0:
             raise SystemExit(f"child with {n} readers failed with exit code {proc.returncode}")
@@ -345,12 +414,6 @@ def main() -> None:
             summary[f"{key}_large_on_arena"] = sum(
                 r["arena_bytes"] == r["bytes"] for r in run["large"])
             summary[f"{key}_large_max_ms"] = round(max(r["hold_ms"] for r in run["large"]), 2)
-            if args.gpu and mode != "vllm_arena":
-                h2d = [r["h2d_gbps"] for r in main_recs if r["h2d_gbps"]]
-                ceiling = main_recs[0]["pinned_ceiling_gbps"]
-                summary[f"{key}_h2d_median_gbps"] = round(statistics.median(h2d), 2)
-                summary[f"{key}_pinned_ceiling_gbps"] = round(ceiling, 2)
-                summary[f"{key}_h2d_over_pinned"] = round(statistics.median(h2d) / ceiling, 3)
         ours = runs[("ours", n)]
         # The single-memcpy floor of the run: the median copy bandwidth over every
         # floor measurement of this child, applied to each message's bytes. (The
