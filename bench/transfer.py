@@ -140,6 +140,11 @@ def source_main(conn: Any, plan: dict) -> None:  # type: ignore[type-arg]
     device = plan["device"]
     keep: list[Any] = []
     out: dict[str, Any] = {"manifests": {}, "checksums": {}, "registration": {}}
+    if device != "cpu":
+        import torch
+        # UCX must start with the device's CUDA context in place (see nixl_adapter).
+        torch.cuda.set_device(device)
+        torch.cuda.synchronize()
     with NixlTransferManager() as mgr:
         for name, spec in plan["sets"].items():
             shapes = [(n, tuple(s)) for n, s in spec["shapes"]]
@@ -259,6 +264,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"mode": "gpu" if gpu else "cpu", "quick": args.quick,
                               "repeat": args.repeat}
     try:
+        if gpu:
+            import torch
+            # The agent is created with the target device's CUDA context current.
+            torch.cuda.set_device(dst_dev)
         with NixlTransferManager() as mgr:
             mgr.add_peer(pub["metadata"])
             if gpu:
@@ -302,6 +311,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           flush=True)
                 for k, v in pub["registration"][name].items():
                     result[f"source_reg_{name}_{k}"] = v
+                # The next set may get this memory back from the caching allocator:
+                # drop its registrations so they never describe freed memory.
+                mgr.deregister_all()
+                del local
     finally:
         parent.send("stop")
         proc.join(60)
