@@ -15,6 +15,8 @@ import pathlib
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
+import numpy as np
+
 from modelexpress._optional import require
 from modelexpress.errors import ConfigError
 
@@ -53,8 +55,44 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[pathlib.Path]:
     return files
 
 
+SLAB_ALIGN = 256  # bytes; every tensor in a slab starts on this boundary (kernel-friendly)
+
+
+def allocate_slab(specs: Iterable[tuple[str, tuple[int, ...], "torch.dtype"]],
+                  device: str = "cpu") -> dict[str, "torch.Tensor"]:
+    """Empty tensors carved, in order, from ONE allocation on ``device``.
+
+    Why: a set of tensors in one allocation is one NIXL region and, on NVLink, one
+    CUDA IPC handle for the peer to open. Measured on the GPU machine: a pull of 99
+    separately allocated tensors (7.5 GB) ran at 160 GB/s, most of it spent opening
+    99 IPC handles, while one carved buffer reads at the peer-copy rate. (The VMM
+    arena gives one region too, but UCX cuda_ipc cannot serve VMM memory.) Tensors
+    start on :data:`SLAB_ALIGN` boundaries, so same-sized layouts on both sides stay
+    byte-adjacent and coalesce into few descriptors.
+
+    Args:
+        specs: (name, shape, dtype) in the order to place them.
+        device: ``"cpu"`` or ``"cuda:N"``.
+
+    Returns:
+        name -> tensor (views of the slab; the slab lives while any of them does).
+    """
+    torch = require("torch", "allocating tensors")
+    placed = []
+    offset = 0
+    for name, shape, dtype in specs:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+        placed.append((name, tuple(shape), dtype, offset, nbytes))
+        offset += -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN
+    # The CPU allocator aligns to 64 bytes only: over-allocate and start aligned.
+    slab = torch.empty(offset + SLAB_ALIGN, dtype=torch.uint8, device=device)
+    base = -slab.data_ptr() % SLAB_ALIGN
+    return {name: slab[base + off:base + off + n].view(dtype).view(shape)
+            for name, shape, dtype, off, n in placed}
+
+
 def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
-                    arena: Any = None) -> dict[str, "torch.Tensor"]:
+                    arena: Any = None, contiguous: bool = False) -> dict[str, "torch.Tensor"]:
     """Load every tensor of a checkpoint, in file order.
 
     Args:
@@ -64,6 +102,8 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
             tensor is placed in arena memory via ``arena.empty`` so the whole checkpoint
             is one registrable range. On the GPU the arena is entered with
             ``use_arena`` by the caller instead, and this function allocates normally.
+        contiguous: place every tensor in one allocation (:func:`allocate_slab`):
+            one NIXL region, one IPC handle. Ignored when ``arena`` is given.
 
     Returns:
         name -> tensor. Duplicate names across files are an error.
@@ -74,13 +114,19 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
     safetensors_torch = require("safetensors.torch", "loading checkpoints")
     safe_open = require("safetensors", "loading checkpoints").safe_open
     out: dict[str, torch.Tensor] = {}
+    slab: dict[str, torch.Tensor] = {}
+    if contiguous and arena is None:
+        slab = allocate_slab(_checkpoint_specs(path), device)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 if name in out:
                     raise ConfigError(f"tensor {name!r} appears twice in checkpoint {path}")
                 tensor = handle.get_tensor(name)
-                if arena is not None and device == "cpu":
+                if slab:
+                    slab[name].copy_(tensor)
+                    tensor = slab[name]
+                elif arena is not None and device == "cpu":
                     placed = arena.empty(tuple(tensor.shape), tensor.dtype)
                     placed.copy_(tensor)
                     tensor = placed
@@ -95,6 +141,27 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
     del safetensors_torch
     log.debug("loaded %d tensors from %s", len(out), path)
     return out
+
+
+def _checkpoint_specs(path: str | os.PathLike[str]) -> list[tuple[str, tuple[int, ...], Any]]:
+    """(name, shape, dtype) of every tensor in load order, without reading the data."""
+    torch = require("torch", "loading checkpoints")
+    safe_open = require("safetensors", "loading checkpoints").safe_open
+    dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+    specs = []
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                code = piece.get_dtype()
+                if code not in dtypes:
+                    raise ConfigError(f"tensor {name!r} in {file} has dtype {code}, which a "
+                                      f"contiguous load does not support; allowed: {sorted(dtypes)}")
+                specs.append((name, tuple(piece.get_shape()), dtypes[code]))
+    return specs
 
 
 def save_checkpoint(tensors: dict[str, "torch.Tensor"], path: str | os.PathLike[str],

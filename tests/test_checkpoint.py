@@ -50,3 +50,17 @@ def test_bad_paths_are_clear_errors(tmp_path: pathlib.Path) -> None:
         checkpoint_files(tmp_path / "missing")
     with pytest.raises(ConfigError, match="no \\*.safetensors"):
         checkpoint_files(tmp_path)
+
+
+def test_contiguous_load_is_one_aligned_allocation(tmp_path: pathlib.Path) -> None:
+    from modelexpress.checkpoint import SLAB_ALIGN, allocate_slab
+
+    tensors = {"a": torch.arange(3, dtype=torch.int8), "b": torch.ones(5, 7),
+               "c": torch.zeros(0, dtype=torch.bfloat16), "d": torch.tensor(2.5)}
+    save_checkpoint(tensors, tmp_path)
+    loaded = load_checkpoint(tmp_path, contiguous=True)
+    assert len({t.untyped_storage().data_ptr() for t in loaded.values()}) == 1
+    assert all(t.data_ptr() % SLAB_ALIGN == 0 for t in loaded.values() if t.numel())
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    slab = allocate_slab([("x", (4, 4), torch.float16), ("y", (), torch.int64)])
+    assert slab["x"].shape == (4, 4) and slab["y"].shape == ()

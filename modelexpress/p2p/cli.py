@@ -112,6 +112,9 @@ def publish(
     tp: int = typer.Option(1, "--tp"), pp: int = typer.Option(1, "--pp"),
     ep: int = typer.Option(1, "--ep"), rank: int = typer.Option(0, "--rank"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda:N"),
+    contiguous: bool = typer.Option(
+        True, "--contiguous/--separate",
+        help="load into one allocation (one NIXL region, one IPC handle) or one per tensor"),
     worker_id: Optional[str] = typer.Option(None, "--worker-id"),
     duration: float = typer.Option(0.0, "--duration",
                                    help="serve this many seconds, then exit (0: until SIGTERM)"),
@@ -136,7 +139,8 @@ def publish(
                 with maybe_enter_vmm_arena(settings.vmm_arena and device != "cpu",
                                            _device_index(device),
                                            settings.vmm_arena_bytes) as arena:
-                    tensors = load_checkpoint(checkpoint, device=device)
+                    tensors = load_checkpoint(checkpoint, device=device,
+                                              contiguous=contiguous and arena is None)
                 if arena is not None:
                     # closed after the source withdrew (ExitStack unwinds in reverse)
                     stack.callback(arena.close)

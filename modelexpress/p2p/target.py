@@ -92,17 +92,29 @@ def manifest_of(info: "SourceInfo") -> "Manifest":
     return Manifest.from_json(json.dumps(info.manifest))
 
 
-def allocate_like(manifest: "Manifest", device: str = "cpu") -> dict[str, "torch.Tensor"]:
-    """Empty destination tensors matching a manifest (names, dtypes, shapes), in its order."""
+def allocate_like(manifest: "Manifest", device: str = "cpu",
+                  contiguous: bool = True) -> dict[str, "torch.Tensor"]:
+    """Empty destination tensors matching a manifest (names, dtypes, shapes), in its order.
+
+    Args:
+        manifest: the source's manifest.
+        device: where to allocate.
+        contiguous: carve every tensor from one allocation (one NIXL region, one IPC
+            handle; see ``checkpoint.allocate_slab``) instead of one allocation each.
+    """
     import torch
 
-    out = {}
+    from modelexpress.checkpoint import allocate_slab
+
+    specs = []
     for entry in manifest.tensors:
         dtype = getattr(torch, entry.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ManifestMismatchError(f"tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
-        out[entry.name] = torch.empty(tuple(entry.shape), dtype=dtype, device=device)
-    return out
+        specs.append((entry.name, tuple(entry.shape), dtype))
+    if contiguous:
+        return allocate_slab(specs, device)
+    return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in specs}
 
 
 class _Deadline:

@@ -123,24 +123,36 @@ def regions_for_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Ten
     for t in values:
         if not t.is_contiguous():
             raise ConfigError("only contiguous tensors can be registered; call .contiguous()")
-    dram = [_tensor_span(t) for t in values if t.device.type == "cpu"]
+    dram_tensors = [t for t in values if t.device.type == "cpu"]
     vram_tensors = [t for t in values if t.device.type != "cpu"]
     out: dict[str, list[Region]] = {}
-    if dram:
-        out["DRAM"] = _union(dram, touch=strategy != Strategy.PER_TENSOR)
+    if dram_tensors:
+        if strategy == Strategy.PER_TENSOR:
+            out["DRAM"] = _union((_tensor_span(t) for t in dram_tensors), touch=False)
+        else:
+            # Whole storages: tensors carved from one allocation (a slab, with alignment
+            # padding between them) are one region, not one per gap-separated run.
+            out["DRAM"] = _union(_storage_spans(dram_tensors), touch=True)
     if vram_tensors:
         if strategy == Strategy.PER_TENSOR:
             out["VRAM"] = _union((_tensor_span(t) for t in vram_tensors), touch=False)
         elif strategy == Strategy.SEGMENTS:
             out["VRAM"] = _cuda_segments([_tensor_span(t) for t in vram_tensors])
         else:
-            storages = {}
-            for t in vram_tensors:
-                s = t.untyped_storage()
-                storages[s.data_ptr()] = (s.data_ptr(), s.data_ptr() + s.nbytes(),
-                                          int(t.device.index or 0))
-            out["VRAM"] = _union(storages.values(), touch=False)
+            out["VRAM"] = _union(_storage_spans(vram_tensors), touch=False)
     return out
+
+
+def _storage_spans(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(start, end, device) of each distinct storage behind ``tensors``."""
+    storages = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes() == 0:
+            continue
+        device = int(t.device.index or 0) if t.device.type != "cpu" else 0
+        storages[(s.data_ptr(), device)] = (s.data_ptr(), s.data_ptr() + s.nbytes(), device)
+    return list(storages.values())
 
 
 def choose_arena_strategy(arena: ArenaLike, tensors: Iterable[torch.Tensor], *,
