@@ -40,6 +40,9 @@ for stage in "$@"; do
     p2p)
       python3 bench/p2p.py --gpu --layers 16 2>&1 | tee "$OUT/bench_p2p_gpu.log" | tail -12
       ;;
+    p2p-nodigest)
+      python3 bench/p2p.py --gpu --layers 16 --no-digests 2>&1 | tee "$OUT/bench_p2p_gpu_nodigest.log" | tail -12
+      ;;
     shm)
       python3 bench/shm_arena.py --gpu 2>&1 | tee "$OUT/bench_shm_gpu.log" | tail -20
       ;;
