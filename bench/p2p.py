@@ -32,9 +32,7 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,37 +49,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class _Proc:
-    def __init__(self, args: list[str], log: pathlib.Path, env: dict[str, str]) -> None:
-        self.log = log
-        self._f = open(log, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE,
-                                     stderr=self._f, env=env, cwd=ROOT)
-
-    def json_line(self, deadline_s: float) -> dict[str, Any]:
-        import selectors
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end and self.proc.poll() is None:
-            if sel.select(timeout=0.5):
-                line = self.proc.stdout.readline()
-                if line.startswith(b"{"):
-                    return json.loads(line)
-        raise RuntimeError(f"{self.proc.args} gave no JSON line; log:\n"
-                           f"{self.log.read_text(errors='replace')[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._f.close()
 
 
 def _memcpy_gbps(nbytes: int, gpu: bool, repeat: int = 3) -> float:
@@ -163,15 +130,16 @@ def main() -> None:
     nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
-    env.update({"MX_SERVER_URL": url, "MX_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT) + (
-        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")})
-    procs: list[_Proc] = []
+    from modelexpress._subproc import ModuleProcess, clean_env
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = clean_env(MX_SERVER_URL=url, MX_LOG_LEVEL="WARNING", PYTHONPATH=pythonpath)
+    procs: list[ModuleProcess] = []
     model = f"bench/llama-3-8b-shaped-{layers}"
     out: dict[str, Any] = {"machine": "gpu" if args.gpu else "cpu", "layers": layers}
     try:
-        procs.append(_Proc(["modelexpress.server", "--host", "127.0.0.1", "--port", str(port),
-                            "--store", f"sqlite:///{work / 'bench.db'}"], work / "server.log", env))
+        procs.append(ModuleProcess(["modelexpress.server", "--host", "127.0.0.1", "--port",
+                                    str(port), "--store", f"sqlite:///{work / 'bench.db'}"],
+                                   work / "server.log", env, cwd=ROOT))
         client = MxClient(url, timeout_s=30.0)
         deadline = time.monotonic() + 120
         while True:
@@ -185,9 +153,10 @@ def main() -> None:
         published = []
         for i in range(args.sources):
             device = "cuda:0" if args.gpu else "cpu"
-            procs.append(_Proc(["modelexpress", "publish", str(ckpt), "--model", model,
-                                "--device", device, "--json", "--worker-id", f"bench-src-{i}"],
-                               work / f"source-{i}.log", env))
+            procs.append(ModuleProcess(["modelexpress", "publish", str(ckpt), "--model", model,
+                                        "--device", device, "--json", "--worker-id",
+                                        f"bench-src-{i}"], work / f"source-{i}.log", env,
+                                       cwd=ROOT))
             published.append(procs[-1].json_line(600))
             _say(f"source {i}: {published[-1]['bytes'] / 1e9:.2f} GB on {device}, "
                  f"loaded in {published[-1]['load_seconds']} s")

@@ -30,7 +30,6 @@ import ctypes
 import json
 import logging
 import multiprocessing as mp
-import statistics
 import sys
 import time
 from typing import Any

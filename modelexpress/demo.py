@@ -12,17 +12,15 @@ and shuts everything down, checking each process exits cleanly.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
+
+from modelexpress._subproc import ModuleProcess, clean_env
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -44,48 +42,6 @@ class DemoResult:
     disk_cold_seconds: float
     mismatched: list[str]
     exit_codes: dict[str, int | None]
-
-
-class _Proc:
-    def __init__(self, name: str, args: list[str], workdir: pathlib.Path,
-                 env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "modelexpress", *args],
-                                     stdout=subprocess.PIPE, stderr=self._log, env=env)
-
-    def read_json_line(self, deadline_s: float) -> dict[str, Any]:
-        """The first JSON line on stdout (commands print one JSON object with --json;
-        NIXL writes its own log lines to stdout too, which are skipped)."""
-        assert self.proc.stdout is not None
-        end = time.monotonic() + deadline_s
-        import selectors
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < end:
-            if sel.select(timeout=0.5):
-                line = self.proc.stdout.readline()
-                if line.startswith(b"{"):
-                    return json.loads(line)
-            if self.proc.poll() is not None:
-                break
-        raise RuntimeError(f"{self.name} printed nothing in {deadline_s:.0f} s "
-                           f"(exit {self.proc.poll()}); log:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
 
 
 def _free_port() -> int:
@@ -128,30 +84,32 @@ def run_demo(workdir: pathlib.Path | None = None, synthetic_layers: int = 0,
         model = "sentence-transformers/all-MiniLM-L6-v2"
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
-    env.update({"MX_SERVER_URL": url, "MX_HEARTBEAT_INTERVAL_S": "1", "MX_LOG_LEVEL": "INFO"})
-    procs: dict[str, _Proc] = {}
+    env = clean_env(MX_SERVER_URL=url, MX_HEARTBEAT_INTERVAL_S="1", MX_LOG_LEVEL="INFO")
+    procs: dict[str, ModuleProcess] = {}
+
+    def start(name: str, args: list[str]) -> ModuleProcess:
+        procs[name] = ModuleProcess(["modelexpress", *args], work / f"{name}.log", env)
+        return procs[name]
+
     exit_codes: dict[str, int | None] = {}
     try:
         _say(f"[1/6] control plane: modelexpress serve on {url} (SQLite {work / 'demo.db'})")
-        procs["server"] = _Proc("server", ["serve", "--host", "127.0.0.1", "--port", str(port),
-                                           "--store", f"sqlite:///{work / 'demo.db'}"], work, env)
+        start("server", ["serve", "--host", "127.0.0.1", "--port", str(port),
+                         "--store", f"sqlite:///{work / 'demo.db'}"])
         probe = MxClient(url, timeout_s=2.0, retries=0)  # _wait does the retrying
         _wait(lambda: probe.health(), "the server to answer", procs["server"])
         probe.close()
         client = MxClient(url, timeout_s=10.0)
 
         _say(f"[2/6] source: modelexpress publish {ckpt} --model {model}")
-        procs["source"] = _Proc("source", ["publish", str(ckpt), "--model", model, "--json"],
-                                work, env)
-        published = procs["source"].read_json_line(_START_DEADLINE_S)
+        published = start("source", ["publish", str(ckpt), "--model", model,
+                                     "--json"]).json_line(_START_DEADLINE_S)
         _say(f"      serving {published['tensors']} tensors, {published['bytes'] / 1e6:.1f} MB "
              f"as source {published['source_id']}")
 
         agent_id = "demo-agent"
         _say("[3/6] agent: modelexpress agent --id demo-agent")
-        procs["agent"] = _Proc("agent", ["agent", "--id", agent_id, "--out", str(work / "out"),
-                                         "--no-serve"], work, env)
+        start("agent", ["agent", "--id", agent_id, "--out", str(work / "out"), "--no-serve"])
         _wait(lambda: any(a.id == agent_id for a in client.list_agents()) or None,
               "the agent to register", procs["agent"])
 
@@ -194,16 +152,17 @@ def run_demo(workdir: pathlib.Path | None = None, synthetic_layers: int = 0,
                       disk_cold_seconds=cold, mismatched=mismatched, exit_codes=exit_codes)
 
 
-def _clean_exit(proc: _Proc, code: int | None) -> bool:
+def _clean_exit(proc: ModuleProcess, code: int | None) -> bool:
     # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is done, so
     # the server's clean exit is "killed by SIGTERM" after it logged the shutdown.
     if code == 0:
         return True
-    return (proc.name == "server" and code == -signal.SIGTERM
+    return (proc.name == "serve" and code == -signal.SIGTERM
             and "Application shutdown complete" in proc.tail())
 
 
-def _wait(probe: Any, what: str, proc: _Proc, deadline_s: float = _START_DEADLINE_S) -> Any:
+def _wait(probe: Any, what: str, proc: ModuleProcess,
+          deadline_s: float = _START_DEADLINE_S) -> Any:
     from modelexpress.errors import MxError
 
     end = time.monotonic() + deadline_s

@@ -451,7 +451,9 @@ def demo(
             f"  from disk   the same checkpoint into memory: warm page cache "
             f"{result.disk_warm_seconds:.3f} s ({gb / result.disk_warm_seconds:.2f} GB/s), cold "
             f"{result.disk_cold_seconds:.3f} s ({gb / result.disk_cold_seconds:.2f} GB/s)\n"
-            f"  shutdown    exit codes {result.exit_codes}")
+            f"  shutdown    exit codes {result.exit_codes}"
+            + (" (uvicorn re-raises SIGTERM after its graceful shutdown)"
+               if result.exit_codes.get("server") == -15 else ""))
     raise typer.Exit(0 if result.ok else 1)
 
 

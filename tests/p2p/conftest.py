@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import selectors
-import signal
-import subprocess
 import sys
 import time
 from typing import Any, Iterator
@@ -17,6 +12,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "server"))
 from mx_server_procs import ServerProc  # noqa: E402
 
+from modelexpress._subproc import ModuleProcess, clean_env  # noqa: E402
 from modelexpress.checkpoint import real_model_checkpoint  # noqa: E402
 from modelexpress.client import MxClient  # noqa: E402
 
@@ -24,56 +20,17 @@ MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 _START_DEADLINE_S = 120.0  # torch + NIXL imports on a loaded 2-core machine
 
 
-class CliProc:
-    """``python -m modelexpress <args>`` with stdout captured and stderr in a log file."""
+class CliProc(ModuleProcess):
+    """``python -m modelexpress <args>`` pointed at the test's server."""
 
     def __init__(self, args: list[str], log_path: pathlib.Path, server_url: str,
                  env: dict[str, str] | None = None) -> None:
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
-        full_env.update({"MX_SERVER_URL": server_url, "MX_HEARTBEAT_INTERVAL_S": "0.5",
-                         "MX_LOG_LEVEL": "INFO"})
-        full_env.update(env or {})
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "modelexpress", *args],
-                                     stdout=subprocess.PIPE, stderr=self._log, env=full_env)
+        super().__init__(["modelexpress", *args], log_path, clean_env(
+            MX_SERVER_URL=server_url, MX_HEARTBEAT_INTERVAL_S="0.5", MX_LOG_LEVEL="INFO",
+            **(env or {})))
 
     def json_line(self, deadline_s: float = _START_DEADLINE_S) -> dict[str, Any]:
-        """The first JSON object printed on stdout (NIXL's own stdout lines skipped)."""
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            if sel.select(timeout=0.5):
-                line = self.proc.stdout.readline()
-                if line.startswith(b"{"):
-                    return json.loads(line)
-            if self.proc.poll() is not None:
-                break
-        raise AssertionError(f"no JSON line within {deadline_s} s (exit {self.proc.poll()}):\n"
-                             f"{self.tail()}")
-
-    def tail(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM and wait; SIGKILL if it hangs. Returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        return super().json_line(deadline_s)
 
 
 class Cluster:
