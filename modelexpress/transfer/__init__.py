@@ -6,7 +6,7 @@ Importing this package does not import NIXL or torch; they load on first use.
 
 from __future__ import annotations
 
-from modelexpress.transfer.digest import ALGORITHMS, BLAKE2B, WSUM
+from modelexpress.transfer.digest import ALGORITHMS, BLAKE2B, WSUM, XXH3
 from modelexpress.transfer.manager import (
     NixlTransferManager,
     ProgressCallback,
@@ -33,6 +33,7 @@ __all__ = [
     "ALGORITHMS",
     "BLAKE2B",
     "WSUM",
+    "XXH3",
     "FLOORS_GBPS",
     "METRICS",
     "Manifest",

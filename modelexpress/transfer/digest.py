@@ -1,6 +1,12 @@
 """Per-tensor digests, computed where the tensor lives.
 
-Two algorithms, named in the manifest so that source and target agree:
+Three algorithms, named in the manifest so that source and target agree:
+
+``xxh3-128``
+    xxHash's XXH3 128-bit over the tensor's bytes (a zero-copy numpy view), from the
+    ``xxhash`` package. ~26 GB/s on one core here, against 0.9 GB/s for blake2b: on a
+    CPU target the digest check, not the transfer, bounded the pull with blake2b.
+    CPU tensors only. A non-cryptographic hash: it guards against transfer faults.
 
 ``blake2b-128``
     :func:`hashlib.blake2b` over the tensor's bytes (a zero-copy numpy view; hashlib
@@ -17,12 +23,14 @@ Two algorithms, named in the manifest so that source and target agree:
     changes ``a`` (|delta| < 2**32 is never 0 mod 2**64); swapped words change ``b``.
     It is an integrity check against transfer faults, not a cryptographic hash.
 
-The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``blake2b-128``.
+The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128``
+(``blake2b-128`` where ``xxhash`` is not installed).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -31,11 +39,13 @@ from modelexpress.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALGORITHMS", "BLAKE2B", "WSUM", "default_algorithm", "digest", "can_compute"]
+__all__ = ["ALGORITHMS", "BLAKE2B", "WSUM", "XXH3", "default_algorithm", "digest",
+           "can_compute"]
 
 BLAKE2B = "blake2b-128"
 WSUM = "wsum-i32-v1"
-ALGORITHMS = (BLAKE2B, WSUM)
+XXH3 = "xxh3-128"
+ALGORITHMS = (BLAKE2B, WSUM, XXH3)
 
 # Words per reduction step: 2**24 int32 words = 64 MiB of input, 128 MiB of int64
 # temporaries. Bounded so a 4 GiB tensor does not need 8 GiB of scratch.
@@ -43,16 +53,25 @@ _CHUNK_WORDS = 1 << 24
 _MASK = (1 << 64) - 1
 
 
+def _xxhash_available() -> bool:
+    return importlib.util.find_spec("xxhash") is not None
+
+
 def default_algorithm(tensors: Iterable[torch.Tensor]) -> str:
-    """``wsum-i32-v1`` if any tensor is on a GPU (it must be hashed there), else blake2b."""
-    return WSUM if any(t.device.type != "cpu" for t in tensors) else BLAKE2B
+    """``wsum-i32-v1`` if any tensor is on a GPU (it must be hashed there), else
+    ``xxh3-128`` (``blake2b-128`` without the xxhash package)."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return WSUM
+    return XXH3 if _xxhash_available() else BLAKE2B
 
 
 def can_compute(algorithm: str, tensor: torch.Tensor) -> bool:
     """Whether ``algorithm`` can be computed where ``tensor`` lives without copying it."""
     if algorithm == WSUM:
         return True
-    return algorithm == BLAKE2B and tensor.device.type == "cpu"
+    if tensor.device.type != "cpu":
+        return False
+    return algorithm == BLAKE2B or (algorithm == XXH3 and _xxhash_available())
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -64,6 +83,16 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def _blake2b(tensor: torch.Tensor) -> str:
     raw = _flat_bytes(tensor)
     h = hashlib.blake2b(digest_size=16)
+    if raw.numel():
+        h.update(memoryview(raw.numpy()))
+    return f"{h.hexdigest()}:{raw.numel()}"
+
+
+def _xxh3(tensor: torch.Tensor) -> str:
+    import xxhash
+
+    raw = _flat_bytes(tensor)
+    h = xxhash.xxh3_128()
     if raw.numel():
         h.update(memoryview(raw.numpy()))
     return f"{h.hexdigest()}:{raw.numel()}"
@@ -110,6 +139,14 @@ def digest(tensor: torch.Tensor, algorithm: str) -> str:
     """
     if algorithm == WSUM:
         return _wsum(tensor)
+    if algorithm == XXH3:
+        if tensor.device.type != "cpu":
+            raise ConfigError(f"{XXH3} is CPU-only and the tensor is on {tensor.device}; use "
+                              f"{WSUM} (computed on the GPU) for GPU tensors")
+        if not _xxhash_available():
+            raise ConfigError(f"the source's digests are {XXH3} and the xxhash package is not "
+                              "installed here: pip install xxhash, or pull with verify=False")
+        return _xxh3(tensor)
     if algorithm == BLAKE2B:
         if tensor.device.type != "cpu":
             raise ConfigError(
