@@ -473,8 +473,16 @@ class NixlTransferManager:
                           probe_bytes)
         seconds, verify_s, probe_verdict = runner.run()
         total = plan.total_bytes
-        verdict = assess(expected, total, seconds, facts=self._ucx_facts(),
-                         min_measure_bytes=min(probe_bytes, total) if total else 1)
+        if runner.first_chunk is not None and seconds > runner.first_chunk[1]:
+            # Steady state: everything after the probed first chunk, which carried the
+            # connection setup (a new worker's first pull must not read as a fallback).
+            first_bytes, first_s = runner.first_chunk
+            verdict = assess(expected, total - first_bytes, seconds - first_s,
+                             facts=self._ucx_facts(), min_measure_bytes=probe_bytes)
+        else:
+            verdict = assess(expected, total, seconds, facts=self._ucx_facts(),
+                             min_measure_bytes=min(probe_bytes, total) if total else 1,
+                             cold=True)
         if probe_verdict is not None and not probe_verdict.ok and verdict.ok:
             verdict = probe_verdict
         METRICS.record(verdict)

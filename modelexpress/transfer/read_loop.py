@@ -64,6 +64,7 @@ class ReadLoop:
         self.max_inflight, self.expected, self.refuse = max_inflight, expected, refuse
         self.probe_bytes = probe_bytes
         self.verify_s = 0.0
+        self.first_chunk: tuple[int, float] | None = None  # (bytes, seconds) when probed
         # pairs completed per chunk index
         self.by_chunk: dict[int, list[int]] = {}
         for i, c in enumerate(plan.done_after):
@@ -158,9 +159,13 @@ class ReadLoop:
                 done_bytes += c.nbytes
                 if probing:
                     probing = False
-                    probe_verdict = assess(self.expected, c.nbytes, time.perf_counter() - posted,
+                    # The first chunk carries the connection setup: judged on the
+                    # cold floor here, the steady rate is judged after the last chunk.
+                    self.first_chunk = (c.nbytes, landed - t0)
+                    probe_verdict = assess(self.expected, c.nbytes, landed - posted,
                                            facts=self.mgr._ucx_facts(),
-                                           min_measure_bytes=min(self.probe_bytes, c.nbytes))
+                                           min_measure_bytes=min(self.probe_bytes, c.nbytes),
+                                           cold=True)
                     if not probe_verdict.ok and self.refuse:
                         METRICS.record(probe_verdict)
                         raise TransportError(f"transfer from {peer} refused after a "

@@ -23,3 +23,4 @@ def test_second_registration_of_the_same_memory_is_skipped_and_peers_load_it() -
         assert first.regions == 1 and again.regions == 0
         assert len(src.registered_regions("DRAM")) == 1
         assert dst.add_peer(src.get_agent_metadata()) == src.name
+
