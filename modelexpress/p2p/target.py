@@ -209,7 +209,8 @@ class _Puller:
 
 
 def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = None, *,
-         client: "MxClient", device: str = "cpu", timeout_s: float = 600.0,
+         client: "MxClient | None" = None, server: str | None = None,
+         token: str | None = None, device: str = "cpu", timeout_s: float = 600.0,
          verify: bool = True, allow_partial: bool = False, progress: ProgressFn | None = None,
          stop: "StopSignal | None" = None, policy: str = "random", max_attempts: int = 3,
          stripe: int = 1, prefer: Sequence[str] = (), exclude_workers: Sequence[str] = (),
@@ -224,7 +225,9 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             on ``device`` from the first source's manifest (``on_destination`` sees them
             before any byte moves; the result does not carry them, so pass a callback
             or your own ``dest`` to keep them).
-        client: control-plane client.
+        client: control-plane client (or pass ``server``).
+        server: control-plane URL; a client is made (and closed) for this call.
+        token: the server's bearer token, with ``server``.
         device: where to allocate when ``dest`` is None.
         timeout_s: deadline for the whole pull, all attempts included.
         verify: check digests (``MX_VERIFY_DIGESTS``).
@@ -257,71 +260,81 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
                           f"(got {max_attempts}, {stripe}, {timeout_s})")
     from modelexpress.transfer import NixlTransferManager
 
-    started = time.monotonic()
-    deadline = _Deadline(timeout_s)
-    candidates = [s for s in client.list_sources(identity=identity, state="READY")
-                  if s.worker_id not in set(exclude_workers)]
-    if not candidates:
-        raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
-                            f"rank {identity.rank}) on the control plane")
-    load = source_load(client, identity) if policy == "spread" else {}
-    ordered = order_sources(candidates, policy, load=load, prefer=prefer)
-
-    owns = manager is None
-    mgr = manager or NixlTransferManager()
-    puller = _Puller(client=client, manager=mgr, dest=dest or {}, allow_partial=allow_partial,
-                     verify=verify, deadline=deadline, progress=progress, stop=stop,
-                     chunk_bytes=chunk_bytes, refuse_slow_transport=refuse_slow_transport)
+    own_client = None
+    if client is None:
+        if server is None:
+            raise ConfigError("pull needs client= (an MxClient) or server= (the control-plane URL)")
+        from modelexpress.client import MxClient
+        client = own_client = MxClient(server, token=token)
     try:
-        # Fetch manifests lazily: a source may vanish between list and get.
-        fetched: list[tuple["SourceInfo", "Manifest"]] = []
-        for info in ordered:
-            if len(fetched) >= max(stripe, max_attempts):
-                break
-            try:
-                full = client.get_source(info.id)
-                fetched.append((full, manifest_of(full)))
-            except MxError as exc:
-                puller.skip(info, f"could not fetch its manifest: {exc}")
-        if not fetched:
-            raise NoSourceError(_no_source_message(identity, puller.skipped))
-        if dest is None:
-            dest = allocate_like(fetched[0][1], device)
-            puller.dest = dest
-        if on_destination is not None:
-            on_destination(dest)
-        # Validate against every candidate before any byte moves.
-        for info, manifest in fetched:
-            plan = mgr.plan(manifest, dest, allow_partial=allow_partial)
-        puller.total = plan.total_bytes
-        if owns:
-            # Register once up front: striped READs run in parallel threads and must
-            # not race to register the same destination memory.
-            mgr.register_tensors(dict(dest))
-        if stripe > 1 and len(fetched) > 1:
-            results = _pull_striped(puller, fetched[:stripe], fetched, max_attempts)
-        else:
-            results = _pull_sequential(puller, fetched[:max_attempts], dest, allow_partial,
-                                       identity)
+        started = time.monotonic()
+        deadline = _Deadline(timeout_s)
+        candidates = [s for s in client.list_sources(identity=identity, state="READY")
+                      if s.worker_id not in set(exclude_workers)]
+        if not candidates:
+            raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
+                                f"rank {identity.rank}) on the control plane")
+        load = source_load(client, identity) if policy == "spread" else {}
+        ordered = order_sources(candidates, policy, load=load, prefer=prefer)
+
+        owns = manager is None
+        mgr = manager or NixlTransferManager()
+        puller = _Puller(client=client, manager=mgr, dest=dest or {}, allow_partial=allow_partial,
+                         verify=verify, deadline=deadline, progress=progress, stop=stop,
+                         chunk_bytes=chunk_bytes, refuse_slow_transport=refuse_slow_transport)
+        try:
+            # Fetch manifests lazily: a source may vanish between list and get.
+            fetched: list[tuple["SourceInfo", "Manifest"]] = []
+            for info in ordered:
+                if len(fetched) >= max(stripe, max_attempts):
+                    break
+                try:
+                    full = client.get_source(info.id)
+                    fetched.append((full, manifest_of(full)))
+                except MxError as exc:
+                    puller.skip(info, f"could not fetch its manifest: {exc}")
+            if not fetched:
+                raise NoSourceError(_no_source_message(identity, puller.skipped))
+            if dest is None:
+                dest = allocate_like(fetched[0][1], device)
+                puller.dest = dest
+            if on_destination is not None:
+                on_destination(dest)
+            # Validate against every candidate before any byte moves.
+            for info, manifest in fetched:
+                plan = mgr.plan(manifest, dest, allow_partial=allow_partial)
+            puller.total = plan.total_bytes
+            if owns:
+                # Register once up front: striped READs run in parallel threads and must
+                # not race to register the same destination memory.
+                mgr.register_tensors(dict(dest))
+            if stripe > 1 and len(fetched) > 1:
+                results = _pull_striped(puller, fetched[:stripe], fetched, max_attempts)
+            else:
+                results = _pull_sequential(puller, fetched[:max_attempts], dest, allow_partial,
+                                           identity)
+        finally:
+            if owns:
+                mgr.close()
+        seconds = max(r.seconds for _, r in results)
+        nbytes = sum(r.bytes for _, r in results)
+        out = PullResult(
+            source_ids=tuple(info.id for info, _ in results), bytes=nbytes, seconds=seconds,
+            gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            transport=",".join(sorted({r.transport for _, r in results})),
+            descriptors=sum(r.descriptors for _, r in results),
+            tensors=sum(r.tensors for _, r in results),
+            verified=all(r.verified for _, r in results), skipped=tuple(puller.skipped),
+            warnings=tuple(w for _, r in results for w in r.warnings),
+            total_seconds=time.monotonic() - started)
+        log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s)%s",
+                 identity.model, out.bytes, out.tensors, ",".join(out.source_ids), out.seconds,
+                 out.gbps, out.transport,
+                 f"; skipped {len(out.skipped)} source(s)" if out.skipped else "")
+        return out
     finally:
-        if owns:
-            mgr.close()
-    seconds = max(r.seconds for _, r in results)
-    nbytes = sum(r.bytes for _, r in results)
-    out = PullResult(
-        source_ids=tuple(info.id for info, _ in results), bytes=nbytes, seconds=seconds,
-        gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-        transport=",".join(sorted({r.transport for _, r in results})),
-        descriptors=sum(r.descriptors for _, r in results),
-        tensors=sum(r.tensors for _, r in results),
-        verified=all(r.verified for _, r in results), skipped=tuple(puller.skipped),
-        warnings=tuple(w for _, r in results for w in r.warnings),
-        total_seconds=time.monotonic() - started)
-    log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s)%s",
-             identity.model, out.bytes, out.tensors, ",".join(out.source_ids), out.seconds,
-             out.gbps, out.transport,
-             f"; skipped {len(out.skipped)} source(s)" if out.skipped else "")
-    return out
+        if own_client is not None:
+            own_client.close()
 
 
 def _no_source_message(identity: "ModelIdentity", skipped: Sequence[SkippedSource]) -> str:

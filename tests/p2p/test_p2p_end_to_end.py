@@ -48,7 +48,9 @@ def test_publish_in_one_process_pull_in_another(cluster: Cluster,
     _, published = cluster.source()
     assert published["identity"]["id"] == IDENTITY.id
     dest = _sentinel_like(reference)
-    result = pull(IDENTITY, dest, client=cluster.client, timeout_s=120)
+    # by URL: pull makes (and closes) its own client
+    result = pull(IDENTITY, dest, server=cluster.server.url, token=cluster.server.token,
+                  timeout_s=120)
     assert result.source_ids == (published["source_id"],)
     assert result.bytes == sum(t.numel() * t.element_size() for t in reference.values())
     assert result.verified and result.tensors == len(reference)
