@@ -75,17 +75,13 @@ class SourceHandle:
         """Why the source withdrew itself (data-plane failure), or None."""
         return self._failure
 
-    def _data_plane_alive(self) -> bool:
-        thread = getattr(self.manager, "_progress_thread", None)
-        return thread is not None and thread.is_alive()
-
     def _heartbeat_loop(self) -> None:
         # Heartbeats are the liveness signal the server uses to pick sources; a
         # failed heartbeat is retried at the next tick (the client already retried
         # connection errors), and a dead progress thread withdraws the source: a
         # target reading from it would only time out.
         while not self._stop.wait(self._interval):
-            if not self._data_plane_alive():
+            if not self.manager.serving:
                 self._failure = "the NIXL progress thread stopped (data-plane failure)"
                 log.error("source %s: %s; marking it STALE", self.source_id, self._failure)
                 self._withdraw()

@@ -353,6 +353,12 @@ class NixlTransferManager:
                                                  daemon=True)
         self._progress_thread.start()
 
+    @property
+    def serving(self) -> bool:
+        """Whether the progress thread is running (False after it died on an error)."""
+        thread = self._progress_thread
+        return thread is not None and thread.is_alive()
+
     def stop_progress_thread(self, timeout_s: float = 10.0) -> None:
         """Stop the progress thread (idempotent).
 
