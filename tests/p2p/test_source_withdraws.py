@@ -28,3 +28,10 @@ def test_dead_progress_thread_marks_the_source_stale(cluster: Cluster) -> None:
         assert handle.failure is not None and "progress thread" in handle.failure
     finally:
         handle.close()
+
+
+def test_sigterm_withdraws_a_published_checkpoint(cluster: Cluster) -> None:
+    proc, published = cluster.source("sigterm")
+    assert cluster.client.get_source(published["source_id"]).state == "READY"
+    assert proc.stop() == 0  # SIGTERM: clean exit
+    assert cluster.client.get_source(published["source_id"]).state == "STALE"
