@@ -159,11 +159,23 @@ class Agent:
                 backoff = min(backoff * 2, 10.0)
                 continue
             for transfer in assignments:
-                self.execute(transfer)
+                if stop.is_set():
+                    # claimed but not started: re-registering at the next start
+                    # releases it (see MxClient.register_agent)
+                    break
+                self.execute(transfer, shutdown=stop)
                 ran += 1
 
-    def execute(self, transfer: "TransferInfo") -> str:
-        """Run one transfer to completion; returns its final state."""
+    def execute(self, transfer: "TransferInfo",
+                shutdown: threading.Event | None = None) -> str:
+        """Run one transfer to completion; returns its final state.
+
+        Args:
+            transfer: the claimed assignment.
+            shutdown: set when the agent must exit (SIGTERM): the transfer aborts at
+                the next chunk and is reported FAILED (restartable), since only an
+                operator's stop makes a transfer STOPPED.
+        """
         opts = self.options
         stop = threading.Event()
         reporter = _Reporter(self.client, transfer.id, opts.progress_interval_s, opts.max_gbps,
@@ -178,13 +190,17 @@ class Agent:
             reporter.send(0, total, force=True)  # PENDING -> RUNNING
             own = [h.worker_id for h in self.served]
             result = pull(identity, dest, client=self.client, timeout_s=opts.timeout_s,
-                          verify=opts.verify, progress=reporter, stop=stop,
+                          verify=opts.verify, progress=reporter,
+                          stop=lambda: stop.is_set() or bool(shutdown and shutdown.is_set()),
                           policy=opts.policy, max_attempts=opts.max_attempts,
                           prefer=[transfer.source_id], exclude_workers=own,
                           chunk_bytes=opts.chunk_bytes)
             # the final report carries the data plane's own rate (READ time only)
             reporter.send(result.bytes, total, force=True, rate_bps=result.gbps * 1e9)
         except TransferCancelledError:
+            if not stop.is_set():  # our own shutdown, not an operator's stop
+                return self._finish(transfer.id, "FAILED", bytes_done=reporter.done,
+                                    error="agent shut down mid-transfer; restart it")
             return self._finish(transfer.id, "STOPPED", bytes_done=reporter.done)
         except MxError as exc:
             log.error("transfer %s failed: %s", transfer.id, exc)
