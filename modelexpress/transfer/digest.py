@@ -50,6 +50,7 @@ ALGORITHMS = (BLAKE2B, WSUM, XXH3)
 # Words per reduction step: 2**24 int32 words = 64 MiB of input, 128 MiB of int64
 # temporaries. Bounded so a 4 GiB tensor does not need 8 GiB of scratch.
 _CHUNK_WORDS = 1 << 24
+_BLOCK = 4096  # words per row of the two-reduction form; divides _CHUNK_WORDS
 _MASK = (1 << 64) - 1
 
 
@@ -98,6 +99,44 @@ def _xxh3(tensor: torch.Tensor) -> str:
     return f"{h.hexdigest()}:{raw.numel()}"
 
 
+def _wsum_words(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a = sum(w)`` and ``b = sum((i + 1) * w)`` (int64 tensors, wrapping mod 2**64).
+
+    Each chunk is viewed as rows of :data:`_BLOCK` words and copied to int64 once;
+    then ``b = BLOCK * sum_j(j * rowsum_j) + sum_k((k + 1) * colsum_k)``, two plain
+    reductions. The first version multiplied every word by its weight, which read
+    and wrote ~68 bytes per 4-byte word and bounded a verified GPU pull at ~150 GB/s;
+    this reads and writes ~28 (2.5x faster on the CPU here). Integer arithmetic mod
+    2**64 makes the two forms equal bit for bit (a test checks it against numpy).
+    """
+    import torch
+    dev = words.device
+    a = torch.zeros((), dtype=torch.int64, device=dev)
+    b = torch.zeros((), dtype=torch.int64, device=dev)
+    cols_weight = torch.arange(1, _BLOCK + 1, dtype=torch.int64, device=dev)
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        chunk = words[start:start + _CHUNK_WORDS]
+        full = chunk.numel() // _BLOCK * _BLOCK
+        s = torch.zeros((), dtype=torch.int64, device=dev)
+        local = torch.zeros((), dtype=torch.int64, device=dev)
+        if full:
+            w = chunk[:full].view(-1, _BLOCK).to(torch.int64)
+            rows = w.sum(dim=1)
+            cols = w.sum(dim=0)
+            row_index = torch.arange(rows.numel(), dtype=torch.int64, device=dev)
+            s = rows.sum()
+            local = (row_index * rows).sum() * _BLOCK + (cols_weight * cols).sum()
+        if full < chunk.numel():  # fewer than _BLOCK words left
+            rest = chunk[full:].to(torch.int64)
+            s = s + rest.sum()
+            weights = torch.arange(full + 1, chunk.numel() + 1, dtype=torch.int64, device=dev)
+            local = local + (weights * rest).sum()
+        # sum((start + i + 1) * w) = sum((i + 1) * w) + start * sum(w), all mod 2**64
+        b += local + s * start
+        a += s
+    return a, b
+
+
 def _wsum(tensor: torch.Tensor) -> str:
     import torch
     raw = _flat_bytes(tensor)
@@ -106,16 +145,7 @@ def _wsum(tensor: torch.Tensor) -> str:
     if raw.storage_offset() % 4:
         raw = raw.clone()  # int32 view needs 4-byte alignment; rare (views at odd offsets)
     words = raw[:whole].view(torch.int32)
-    a = torch.zeros((), dtype=torch.int64, device=raw.device)
-    b = torch.zeros((), dtype=torch.int64, device=raw.device)
-    steps = torch.arange(1, min(_CHUNK_WORDS, max(words.numel(), 1)) + 1,
-                         dtype=torch.int64, device=raw.device)
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start:start + _CHUNK_WORDS].to(torch.int64)
-        s = chunk.sum()
-        # sum((start + i + 1) * w) = sum((i + 1) * w) + start * sum(w); int64 wraps mod 2**64.
-        b += (chunk * steps[:chunk.numel()]).sum() + s * start
-        a += s
+    a, b = _wsum_words(words)
     av, bv = int(a.item()) & _MASK, int(b.item()) & _MASK
     if whole != nbytes:  # the 1-3 tail bytes, read on the device then moved (<= 3 bytes)
         tail = int.from_bytes(bytes(raw[whole:].cpu().tolist()), "little")
