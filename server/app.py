@@ -183,6 +183,12 @@ def _format_validation(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+# Our errors that mean "the request was wrong", and the status each maps to (the
+# client maps them back: modelexpress.client).
+_STATUS: dict[type[Exception], int] = {NotFoundError: 404, ConflictError: 409,
+                                       ValidationError: 422, AuthError: 401}
+
+
 def create_app(settings: MxSettings | None = None, *, store: Store | None = None) -> FastAPI:
     """Build the control-plane app.
 
@@ -241,21 +247,12 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _json_error(422, _format_validation(exc))
 
-    @app.exception_handler(NotFoundError)
-    async def _missing(_: Request, exc: NotFoundError) -> JSONResponse:
-        return _json_error(404, str(exc))
+    async def _mapped(_: Request, exc: Exception) -> JSONResponse:
+        status = next(code for cls, code in _STATUS.items() if isinstance(exc, cls))
+        return _json_error(status, str(exc))
 
-    @app.exception_handler(ConflictError)
-    async def _conflict(_: Request, exc: ConflictError) -> JSONResponse:
-        return _json_error(409, str(exc))
-
-    @app.exception_handler(ValidationError)
-    async def _rejected(_: Request, exc: ValidationError) -> JSONResponse:
-        return _json_error(422, str(exc))
-
-    @app.exception_handler(AuthError)
-    async def _auth(_: Request, exc: AuthError) -> JSONResponse:
-        return _json_error(401, str(exc))
+    for error_class in _STATUS:
+        app.add_exception_handler(error_class, _mapped)
 
     @app.exception_handler(StoreError)
     async def _store_down(_: Request, exc: StoreError) -> JSONResponse:
