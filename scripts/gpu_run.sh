@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (two H200s; see ../shared/GPU.md). Usage:
-#   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p shm vmm
+#   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-nodigest digest shm vmm
 # `setup` installs the carried wheels (.whl-gpu: nixl-cu13, pydantic-settings,
 # fastapi, uvicorn...) into /tmp/site and the project in editable mode (which builds
 # the C extensions for this machine's Python). Logs go to $OUT (or ./gpu-out).
@@ -42,6 +42,9 @@ for stage in "$@"; do
       ;;
     p2p-nodigest)
       python3 bench/p2p.py --gpu --layers 16 --no-digests 2>&1 | tee "$OUT/bench_p2p_gpu_nodigest.log" | tail -12
+      ;;
+    digest)
+      python3 bench/digest.py --gpu 2>&1 | tee "$OUT/bench_digest_gpu.log" | tail -8
       ;;
     shm)
       python3 bench/shm_arena.py --gpu 2>&1 | tee "$OUT/bench_shm_gpu.log" | tail -20

@@ -4,13 +4,13 @@ Three algorithms, named in the manifest so that source and target agree:
 
 ``xxh3-128``
     xxHash's XXH3 128-bit over the tensor's bytes (a zero-copy numpy view), from the
-    ``xxhash`` package. ~26 GB/s on one core here, against 0.9 GB/s for blake2b: on a
+    ``xxhash`` package. 22.6 GB/s here against 0.92 GB/s for blake2b (bench/digest.py): on a
     CPU target the digest check, not the transfer, bounded the pull with blake2b.
     CPU tensors only. A non-cryptographic hash: it guards against transfer faults.
 
 ``blake2b-128``
     :func:`hashlib.blake2b` over the tensor's bytes (a zero-copy numpy view; hashlib
-    releases the GIL). ~0.9 GB/s per core here. CPU tensors only.
+    releases the GIL). 0.92 GB/s here (bench/digest.py). CPU tensors only.
 
 ``wsum-i32-v1``
     A position-weighted sum over the bytes viewed as int32 words ``w[j]``:
@@ -106,7 +106,7 @@ def _wsum_words(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     then ``b = BLOCK * sum_j(j * rowsum_j) + sum_k((k + 1) * colsum_k)``, two plain
     reductions. The first version multiplied every word by its weight, which read
     and wrote ~68 bytes per 4-byte word and bounded a verified GPU pull at ~150 GB/s;
-    this reads and writes ~28 (2.5x faster on the CPU here). Integer arithmetic mod
+    this reads and writes ~28 (bench/digest.py measures it). Integer arithmetic mod
     2**64 makes the two forms equal bit for bit (a test checks it against numpy).
     """
     import torch
