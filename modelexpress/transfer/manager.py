@@ -93,7 +93,8 @@ class TransferResult:
 
     Attributes:
         bytes: bytes read.
-        seconds: wall time of the READ (posting to last completion, digests excluded).
+        seconds: wall time of the READ, from the first chunk posted to the last byte
+            landed (digests of earlier chunks overlap it; connection setup excluded).
         gbps: bytes / seconds / 1e9.
         descriptors: NIXL descriptors after coalescing.
         chunks: posted requests.
@@ -104,6 +105,8 @@ class TransferResult:
         verified: every tensor's digest matched.
         verify_seconds: time spent computing digests.
         peer: the source agent name.
+        connect_seconds: the small READ before the clock that opens the peer's
+            memory on a new connection (see ``ReadLoop._connect``).
     """
 
     bytes: int
@@ -118,6 +121,7 @@ class TransferResult:
     verified: bool
     verify_seconds: float
     peer: str
+    connect_seconds: float = 0.0
 
 
 class NixlTransferManager:
@@ -474,6 +478,9 @@ class NixlTransferManager:
                         f"digest_algorithm={_digest.WSUM!r} or pass verify=False")
         expected = expected_transport(plan.local_mem, plan.remote_mem,
                                       manifest.host == socket.gethostname())
+        # The GPU digest kernel is loaded (compiled on a machine's first use, ~1 s)
+        # now, not inside the first chunk's verification.
+        _digest.prepare(algo, (local[p.name] for p in plan.pairs))
         runner = ReadLoop(self, plan, local, peer, algo, deadline_s, progress, stop,
                           on_tensor_done, max_inflight, expected, refuse_slow_transport,
                           probe_bytes)
@@ -498,15 +505,17 @@ class NixlTransferManager:
             if refuse_slow_transport:
                 raise TransportError(f"transfer from {peer} refused: {verdict.message}")
         gbps = total / seconds / 1e9 if seconds > 0 else 0.0
-        log.info("read %d bytes (%d tensors, %d descriptors, %d chunks) from %s in %.3f s: "
-                 "%.2f GB/s over %s; digests %s in %.3f s", total, len(plan.pairs),
-                 plan.descriptors, len(plan.chunks), peer, seconds, gbps, verdict.transport,
+        log.info("read %d bytes (%d tensors, %d descriptors, %d chunks) from %s in %.3f s "
+                 "(+%.3f s connecting): %.2f GB/s over %s; digests %s in %.3f s", total,
+                 len(plan.pairs), plan.descriptors, len(plan.chunks), peer, seconds,
+                 runner.connect_s, gbps, verdict.transport,
                  "verified" if algo else "not checked", verify_s)
         return TransferResult(bytes=total, seconds=seconds, gbps=gbps,
                               descriptors=plan.descriptors, chunks=len(plan.chunks),
                               tensors=len(plan.pairs), transport=verdict.transport,
                               verdict=verdict, warnings=tuple(warnings),
-                              verified=algo is not None, verify_seconds=verify_s, peer=peer)
+                              verified=algo is not None, verify_seconds=verify_s, peer=peer,
+                              connect_seconds=runner.connect_s)
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:

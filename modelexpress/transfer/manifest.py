@@ -210,9 +210,10 @@ def build_manifest(tensors: Mapping[str, torch.Tensor], *, agent_name: str = "",
         algo = digest_algorithm or _digest.default_algorithm(tensors.values())
         if algo not in _digest.ALGORITHMS:
             raise ConfigError(f"unknown digest algorithm {algo!r}; allowed: {_digest.ALGORITHMS}")
-    entries = tuple(
-        tensor_entry(name, t, _digest.digest(t, algo) if algo else None)
-        for name, t in tensors.items())
+    values = (_digest.digest_many(list(tensors.values()), algo) if algo
+              else [None] * len(tensors))
+    entries = tuple(tensor_entry(name, t, value)
+                    for (name, t), value in zip(tensors.items(), values))
     return Manifest(agent_name=agent_name, host=host or socket.gethostname(),
                     digest_algorithm=algo, tensors=entries,
                     regions=tuple((int(a), int(n), int(d)) for a, n, d in regions))

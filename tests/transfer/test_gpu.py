@@ -28,6 +28,34 @@ def test_wsum_on_gpu_equals_cpu() -> None:
     assert digest.default_algorithm([on_gpu]) == digest.WSUM
 
 
+def test_wsum_triton_kernel_equals_torch_form_and_cpu() -> None:
+    """The one-pass kernel is the digest pulls use on a GPU: same value as the torch
+    form and the CPU, at tile and grid-stride boundaries and past 2**31 words."""
+    pytest.importorskip("triton", reason="the Triton kernel needs triton (absent here)")
+    gen = torch.Generator(device="cuda:0").manual_seed(5)
+    for words in (1, 2047, 2048, 2049, 3 * 2048 * 132 * 4 + 17, (1 << 24) + 5):
+        t = torch.randint(-(1 << 31), (1 << 31) - 1, (words,), dtype=torch.int32,
+                          device="cuda:0", generator=gen)
+        want = digest.digest(t.cpu(), digest.WSUM)
+        assert digest.digest_many([t], digest.WSUM, impl="triton") == [want], words
+        assert digest.digest_many([t], digest.WSUM, impl="torch") == [want], words
+    odd = torch.arange(1001, dtype=torch.uint8, device="cuda:0")
+    assert digest.digest_many([odd], digest.WSUM, impl="triton") == [
+        digest.digest(odd.cpu(), digest.WSUM)]
+    # Over 2**31 words (8 GiB): 64-bit offsets in the kernel; torch form as the reference
+    huge = torch.randint(-(1 << 31), (1 << 31) - 1, ((1 << 31) + 4099,), dtype=torch.int32,
+                         device="cuda:0", generator=gen)
+    assert (digest.digest_many([huge], digest.WSUM, impl="triton")
+            == digest.digest_many([huge], digest.WSUM, impl="torch"))
+    del huge
+    # A batch over both GPUs comes back in order, one sync per device.
+    devices = ["cuda:0", _dst_device()]
+    batch = [torch.randint(0, 255, (4096 * (i + 1) + i,), dtype=torch.uint8,
+                           device=devices[i % 2]) for i in range(9)]
+    assert digest.digest_many(batch, digest.WSUM) == [
+        digest.digest(t.cpu(), digest.WSUM) for t in batch]
+
+
 def test_segments_registration_covers_per_allocation_tensors_with_few_regions() -> None:
     tensors = {f"t{i}": torch.empty((1 << 18,), dtype=torch.bfloat16, device="cuda:0")
                for i in range(200)}  # 512 KiB each: small-pool blocks share segments
