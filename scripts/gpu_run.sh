@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (two H200s; see ../shared/GPU.md). Usage:
-#   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-nodigest digest shm vmm
+#   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-8b p2p-nodigest digest shm vmm
 # `setup` installs the carried wheels (.whl-gpu: nixl-cu13, pydantic-settings,
 # fastapi, uvicorn...) into /tmp/site and the project in editable mode (which builds
 # the C extensions for this machine's Python). Logs go to $OUT (or ./gpu-out).
@@ -21,6 +21,7 @@ for stage in "$@"; do
       { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
         nvidia-smi topo -m
         python3 -c "import sys, torch; print(sys.version); print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs')"
+        python3 -c "import triton; print('triton', triton.__version__)" || echo "triton: not installed"
       } 2>&1 | tee "$OUT/env.log"
       if [ ! -d /tmp/site/nixl_cu13.libs ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -39,6 +40,9 @@ for stage in "$@"; do
       ;;
     p2p)
       python3 bench/p2p.py --gpu --layers 16 2>&1 | tee "$OUT/bench_p2p_gpu.log" | tail -12
+      ;;
+    p2p-8b)  # all 32 layers of Llama-3-8B's shape (vocab 32000): ~13.5 GB
+      python3 bench/p2p.py --gpu --layers 32 2>&1 | tee "$OUT/bench_p2p_gpu_8b.log" | tail -12
       ;;
     p2p-nodigest)
       python3 bench/p2p.py --gpu --layers 16 --no-digests 2>&1 | tee "$OUT/bench_p2p_gpu_nodigest.log" | tail -12
