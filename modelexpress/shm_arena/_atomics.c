@@ -1,4 +1,4 @@
-/* Release/acquire atomics and page population over a Python buffer.
+/* Release/acquire atomics, page population and the bulk copy over a Python buffer.
  *
  * Python has no atomics: a memoryview byte write is a plain store the compiler
  * and the CPU may reorder around the tensor memcpy that precedes it (vLLM had to
@@ -17,6 +17,9 @@
 
 #include <errno.h>
 #include <stdint.h>
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -125,7 +128,75 @@ populate(PyObject *self, PyObject *args)
     return PyUnicode_FromString(touched ? "touch" : "madvise");
 }
 
+/* stream_copy(dst_buf, dst_off, src_addr, nbytes)
+ *
+ * Copies nbytes from the raw address src_addr (a live, contiguous CPU tensor the
+ * caller holds) into dst_buf at dst_off, with the GIL released. On x86-64 the
+ * bulk goes through non-temporal stores: a plain copy first reads every
+ * destination cache line it is about to overwrite (read-for-ownership); streaming
+ * stores skip that, which made a 200 MiB copy into the arena 1.3x faster on the
+ * 2-core CI machine, and leave the writer's cache to the writer. An sfence at the
+ * end orders them before any later store of this thread, so the caller's release
+ * store of the generation (after joining the copying threads) publishes the bytes.
+ * Elsewhere it is memcpy.
+ */
+static void
+copy_bytes(uint8_t *d, const uint8_t *s, size_t n)
+{
+#if defined(__x86_64__) && defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    size_t blocks = n / 64;
+    for (size_t i = 0; i < blocks; i++, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + 0));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)(d + 0), a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    _mm_sfence();
+    memcpy(d, s, n - blocks * 64);
+#else
+    memcpy(d, s, n);
+#endif
+}
+
+static PyObject *
+stream_copy(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t off, nbytes;
+    unsigned long long src;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OnKn:stream_copy", &obj, &off, &src, &nbytes))
+        return NULL;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (off < 0 || nbytes < 0 || off > view.len - nbytes || (nbytes && src == 0)) {
+        PyErr_Format(PyExc_ValueError, "bad copy of %zd bytes to offset %zd of a %zd-byte buffer",
+                     nbytes, off, view.len);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)view.buf + off;
+    Py_BEGIN_ALLOW_THREADS
+    copy_bytes(dst, (const uint8_t *)(uintptr_t)src, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"stream_copy", stream_copy, METH_VARARGS,
+     "stream_copy(buf, offset, src_addr, nbytes): copy raw bytes in, GIL released."},
     {"load_acquire", load_acquire, METH_VARARGS,
      "load_acquire(buf, offset) -> int: atomic 64-bit load with acquire ordering."},
     {"store_release", store_release, METH_VARARGS,

@@ -252,7 +252,8 @@ class ArenaWriter:
             desc = self._free_desc.pop()
             gen = self._next_gen
             self._next_gen += 1
-            self._data[offset:offset + nbytes].copy_(src)
+            if not atomics.copy_in(self._segment.mm, self._layout.data_offset + offset, src):
+                self._data[offset:offset + nbytes].copy_(src)
             # ORDER: publish only after the copy; release makes the bytes visible
             # before any reader can acquire this gen.
             atomics.store_release(self._segment.mm, self._layout.gen_offset(desc), gen)

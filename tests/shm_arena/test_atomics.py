@@ -45,3 +45,30 @@ def test_populate_keeps_bytes() -> None:
             atomics.populate(mm, 1, 4096)  # not page aligned
     finally:
         mm.close()
+
+
+@pytest.mark.parametrize("nbytes,offset,src_skew", [
+    (0, 0, 0), (1, 3, 0), (63, 8, 1), (64, 16, 0), (65, 1, 7), (4096 + 17, 5, 3),
+    ((33 << 20) + 17, 11, 5),  # >= 32 MiB: split across threads (on machines with >1 CPU)
+])
+def test_copy_in_is_byte_exact_at_any_alignment(nbytes: int, offset: int, src_skew: int) -> None:
+    """The streaming copy (non-temporal stores, GIL released, split across threads
+    from 32 MiB) lands every byte, leaves the bytes around it alone, and checks
+    its bounds."""
+    import torch
+    gen = torch.Generator().manual_seed(nbytes)
+    backing = torch.randint(0, 256, (nbytes + 64,), dtype=torch.uint8, generator=gen)
+    src = backing[src_skew:src_skew + nbytes]  # unaligned source starts too
+    size = offset + nbytes + 4096
+    mm = mmap.mmap(-1, size)
+    try:
+        mm[:] = b"\xab" * size
+        assert atomics.copy_in(mm, offset, src) is True
+        assert mm[offset:offset + nbytes] == bytes(src.numpy())
+        assert mm[:offset] == b"\xab" * offset
+        assert mm[offset + nbytes:] == b"\xab" * (size - offset - nbytes)
+        if nbytes:
+            with pytest.raises(ValueError):
+                atomics.copy_in(mm, size - nbytes + 1, src)  # runs past the end
+    finally:
+        mm.close()
