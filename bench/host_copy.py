@@ -67,14 +67,8 @@ def main() -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.memcpy.restype = ctypes.c_void_p
     libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    threads_before = atomics._MAX_COPY_THREADS
-
     def stream(mm: Any, off: int, threads: int) -> None:
-        atomics._MAX_COPY_THREADS = threads
-        try:
-            atomics.copy_in(mm, off, src)
-        finally:
-            atomics._MAX_COPY_THREADS = threads_before
+        atomics.copy_in(mm, off, src, threads=threads)
 
     n_threads = atomics._copy_threads(nbytes)
     out: dict[str, Any] = {"bytes": nbytes, "torch_threads": torch.get_num_threads(),

@@ -130,7 +130,10 @@ def populate(mm: mmap.mmap, start: int, length: int) -> str:
     return "python"
 
 
-# Copies split across threads only from this size on: a thread start costs ~0.1 ms.
+# Streaming copies only from this size on, split in parts of at least half of it:
+# a thread start costs ~0.1 ms, and one streaming thread alone is not faster than
+# a plain copy everywhere (bench/host_copy.py: 12.7 vs 22.4 ms for glibc memcpy on
+# the 2-core CI machine, 27.8 vs 21.5 ms on a 32-core GPU host).
 _PARALLEL_MIN_BYTES = 32 << 20
 _MAX_COPY_THREADS = 8
 
@@ -141,27 +144,32 @@ def _copy_threads(nbytes: int) -> int:
     return max(1, min(_MAX_COPY_THREADS, cpus, nbytes // (_PARALLEL_MIN_BYTES // 2)))
 
 
-def copy_in(buf: Any, offset: int, src: Any) -> bool:
+def copy_in(buf: Any, offset: int, src: Any, *, threads: int | None = None) -> bool:
     """Copy a contiguous CPU tensor's bytes into ``buf`` at ``offset``, fast.
 
-    With the C extension: streaming (non-temporal) stores on x86-64, the GIL
-    released, and the copy split across up to 8 threads (one per usable CPU) when
-    it is 32 MiB or more; the threads are joined before this returns, and each
-    ends with a store fence, so a later :func:`store_release` publishes the bytes.
+    With the C extension, for 32 MiB or more on a machine with 2 or more usable
+    CPUs: streaming (non-temporal) stores on x86-64, the GIL released, the copy
+    split across up to 8 threads (one per usable CPU); the threads are joined
+    before this returns, and each ends with a store fence, so a later
+    :func:`store_release` publishes the bytes.
 
     Args:
         buf: the writable shared mapping (the arena's ``mmap``).
         offset: destination byte offset in ``buf``.
         src: a contiguous ``torch.uint8`` CPU tensor (kept alive by the caller).
+        threads: force the number of copying threads (benchmarks); 1 included.
 
     Returns:
-        False without the C extension (the caller then copies with torch).
+        False when it did not copy (no C extension, a smaller tensor, one CPU):
+        the caller then copies with torch, which is as fast there.
     """
     if _native is None:
         return False
     nbytes = src.numel()
+    parts = threads if threads is not None else _copy_threads(nbytes)
+    if threads is None and parts < 2:
+        return False
     base = src.data_ptr()
-    parts = _copy_threads(nbytes)
     if parts == 1:
         _native.stream_copy(buf, offset, base, nbytes)
         return True
@@ -175,11 +183,11 @@ def copy_in(buf: Any, offset: int, src: Any) -> bool:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=b, daemon=True) for b in bounds[1:]]
-    for t in threads:
+    workers = [threading.Thread(target=run, args=b, daemon=True) for b in bounds[1:]]
+    for t in workers:
         t.start()
     run(*bounds[0])
-    for t in threads:
+    for t in workers:
         t.join()
     if errors:
         raise errors[0]
