@@ -160,10 +160,10 @@ def copy_in(buf: Any, offset: int, src: Any, *, threads: int | None = None) -> b
         threads: force the number of copying threads (benchmarks); 1 included.
 
     Returns:
-        False when it did not copy (no C extension, a smaller tensor, one CPU):
-        the caller then copies with torch, which is as fast there.
+        False when it did not copy (no C extension, a smaller tensor, one CPU, or
+        not a contiguous byte tensor): the caller then copies with torch.
     """
-    if _native is None:
+    if _native is None or not src.is_contiguous() or src.element_size() != 1:
         return False
     nbytes = src.numel()
     parts = threads if threads is not None else _copy_threads(nbytes)

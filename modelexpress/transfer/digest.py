@@ -147,8 +147,8 @@ _triton_broken: str | None = None  # why the Triton kernel is not used, once it 
 
 
 def _triton_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]] | None:
-    """(a, b) of each tensor by the one-launch Triton kernel, or None where it
-    cannot run here (no triton, or it failed once: the torch form takes over)."""
+    """(a, b) of each tensor by the one-pass Triton kernel, or None where it cannot
+    run here (no triton, or it failed once: the torch form takes over, logged once)."""
     global _triton_broken
     if _triton_broken is not None:
         return None
@@ -159,8 +159,9 @@ def _triton_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]] | None:
         _triton_broken = f"triton is not importable ({exc})"
     except Exception as exc:  # noqa: BLE001 - a compiler/driver failure: use the torch form
         _triton_broken = f"the Triton kernel failed ({type(exc).__name__}: {exc})"
-        log.warning("%s digests: %s; using the torch form (about 7x slower on a GPU)",
-                    WSUM, _triton_broken)
+    log.warning("%s digests on the GPU: %s; using the torch form (about 7x slower, "
+                "below an NVLink's rate: docs/DEPLOYMENT.md, Digests and speed)",
+                WSUM, _triton_broken)
     return None
 
 
@@ -210,7 +211,8 @@ def _torch_pairs(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
 
 def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
     """Tensors are grouped by device; each group costs one host synchronisation
-    (one kernel launch with Triton), not one per tensor."""
+    (with Triton: one kernel launch per tensor into a shared buffer), not one per
+    tensor."""
     raws = [_aligned_bytes(t) for t in tensors]
     by_device: dict[object, list[int]] = {}
     for i, raw in enumerate(raws):
