@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import httpx
 
+from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import (
     AuthError, ConflictError, ControlPlaneError, NotFoundError, ServerUnavailableError,
     ValidationError,
@@ -136,7 +137,7 @@ class AgentInfo:
         return cls(**_pick(cls, data))
 
 
-class MxClient:
+class MxClient(ClosedOnCollect):
     """Client of one control-plane server.
 
     Args:
@@ -229,18 +230,6 @@ class MxClient:
         if not self._closed:
             self._closed = True
             self._http.close()
-
-    def __enter__(self) -> "MxClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
 
     # --- meta ---------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from modelexpress._closing import Closeable
 from modelexpress.errors import (ConflictError, ControlPlaneError, MxError, NotFoundError,
                                  TransferCancelledError)
 from modelexpress.identity import ModelIdentity
@@ -111,7 +112,7 @@ class _Reporter:
                 self.stop.wait(ahead)
 
 
-class Agent:
+class Agent(Closeable):
     """Runs REST-started transfers for one worker.
 
     Args:
@@ -274,9 +275,3 @@ class Agent:
         for handle in self.served:
             handle.close()
         self.served.clear()
-
-    def __enter__(self) -> "Agent":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Mapping
 
+from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import ControlPlaneError, MxError, NotFoundError
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def default_worker_id(role: str) -> str:
     return f"{role}-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class SourceHandle:
+class SourceHandle(ClosedOnCollect):
     """A published source. Close it (or use it as a context manager) to withdraw.
 
     Attributes:
@@ -117,19 +118,6 @@ class SourceHandle:
         else:
             self.manager.stop_progress_thread()
         log.info("source %s (%s) withdrawn", self.source_id, self.identity.model)
-
-    def __enter__(self) -> "SourceHandle":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            if not getattr(self, "_closed", True):
-                self.close()
-        except Exception:  # noqa: BLE001 - a finalizer must never raise
-            pass
 
 
 def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"], *,

@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from modelexpress._closing import Closeable
 from modelexpress.errors import ConfigError, ShmArenaError
 from modelexpress.shm_arena import atomics
 from modelexpress.shm_arena.allocator import ExtentAllocator
@@ -148,7 +149,7 @@ class _Layout:
         return _HEADER_BYTES + desc * self.stride + 8 * (1 + reader)
 
 
-class ArenaWriter:
+class ArenaWriter(Closeable):
     """The single writer: creates the segment and places tensors in it.
 
     Args:
@@ -317,12 +318,6 @@ class ArenaWriter:
         """True after :meth:`close`."""
         return self._segment.closed
 
-    def __enter__(self) -> "ArenaWriter":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _close_writer(segment: ShmSegment, state: dict[str, Any]) -> None:
     # Drop our own view of the mapping first, or the unmap sees it as exported.
@@ -330,7 +325,7 @@ def _close_writer(segment: ShmSegment, state: dict[str, Any]) -> None:
     segment.close()
 
 
-class ArenaReader:
+class ArenaReader(Closeable):
     """One reader's attachment to a writer's segment.
 
     Args:
@@ -470,12 +465,6 @@ class ArenaReader:
         """Unpin and unmap (the mapping stays while tensors view it). Idempotent."""
         self._finalizer()
 
-    def __enter__(self) -> "ArenaReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _close_reader(segment: ShmSegment, pinner: Pinner, state: dict[str, Any]) -> None:
     address = state.get("_pinned_address")
@@ -483,4 +472,3 @@ def _close_reader(segment: ShmSegment, pinner: Pinner, state: dict[str, Any]) ->
         state["_pinned_address"] = None
         pinner.unregister(address)
     segment.close()
-

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import (
     ConfigError,
     PeerError,
@@ -73,7 +74,6 @@ __all__ = ["NixlTransferManager", "RegistrationInfo", "TransferResult", "StopSig
            "ProgressCallback"]
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +124,7 @@ class TransferResult:
     connect_seconds: float = 0.0
 
 
-class NixlTransferManager:
+class NixlTransferManager(ClosedOnCollect):
     """One NIXL agent with its registrations, peers and READs.
 
     Args:
@@ -536,15 +536,3 @@ class NixlTransferManager:
                 self.deregister_all()
             finally:
                 self._agent.close()
-
-    def __enter__(self) -> NixlTransferManager:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - a finalizer must never raise
-            pass

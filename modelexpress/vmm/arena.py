@@ -29,6 +29,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, runtime_checkable
 
+from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import ArenaClosedError, BackendError, ConfigError, MxTimeoutError
 from modelexpress.vmm._core import Core, ExtCore, PyCore, load_extension
 
@@ -83,7 +84,7 @@ def _default_backend(device: int) -> VmmBackend:
     return CudaVmmBackend(device)
 
 
-class VmmArena:
+class VmmArena(ClosedOnCollect):
     """A reserved virtual range whose slots are backed by separate physical chunks.
 
     Args:
@@ -293,18 +294,6 @@ class VmmArena:
                 log.warning("VmmArena.close: still waiting for %d running calls after %.0f s",
                             remaining, now - start)
                 last_log = now
-
-    def __enter__(self) -> "VmmArena":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - __del__ must never raise
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"used={self.used_bytes} live={self.live_allocation_count}"

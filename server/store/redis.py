@@ -18,6 +18,7 @@ import logging
 import re
 from typing import Callable
 
+from modelexpress._closing import ClosedOnCollect
 from modelexpress._optional import require
 from modelexpress.errors import ConflictError, NotFoundError, StoreError
 from modelexpress.server.store.base import Collection, Record
@@ -34,7 +35,7 @@ def _dump(record: Record) -> str:
     return json.dumps(record, separators=(",", ":"), allow_nan=False)
 
 
-class RedisStore:
+class RedisStore(ClosedOnCollect):
     """A :class:`~modelexpress.server.store.Store` on Redis.
 
     Args:
@@ -160,15 +161,3 @@ class RedisStore:
             return
         self._closed = True
         self._client.close()
-
-    def __enter__(self) -> "RedisStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass

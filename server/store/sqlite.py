@@ -23,6 +23,7 @@ import sqlite3
 import threading
 from typing import Callable
 
+from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import ConflictError, NotFoundError, StoreError
 from modelexpress.server.store.base import COLLECTIONS, Collection, Record
 
@@ -37,7 +38,7 @@ def _dump(record: Record) -> str:
     return json.dumps(record, separators=(",", ":"), allow_nan=False)
 
 
-class SqliteStore:
+class SqliteStore(ClosedOnCollect):
     """A :class:`~modelexpress.server.store.Store` in one SQLite file.
 
     Args:
@@ -156,15 +157,3 @@ class SqliteStore:
                 conn.close()
             except sqlite3.Error:  # a connection another thread is still using
                 log.debug("closing a SQLite connection failed", exc_info=True)
-
-    def __enter__(self) -> "SqliteStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
