@@ -234,6 +234,9 @@ def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
             for (a, b), raw in zip(pairs, raws)]
 
 
+_prepared: set[object] = set()  # CUDA devices whose kernel prepare() has loaded
+
+
 def prepare(algorithm: str | None, tensors: Iterable[torch.Tensor]) -> None:
     """Load (compiling on first use on a machine) the GPU digest kernel on every
     CUDA device in ``tensors``, so a pull's first chunk does not wait for it; a no-op
@@ -241,9 +244,10 @@ def prepare(algorithm: str | None, tensors: Iterable[torch.Tensor]) -> None:
     if algorithm != WSUM:
         return
     import torch
-    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    devices = {t.device for t in tensors if t.device.type == "cuda"} - _prepared
     for dev in devices:
         digest_many([torch.zeros(_BLOCK, dtype=torch.int32, device=dev)], WSUM)
+        _prepared.add(dev)
 
 
 def _check_cpu_algorithm(tensor: torch.Tensor, algorithm: str) -> None:

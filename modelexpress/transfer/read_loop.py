@@ -66,6 +66,7 @@ class ReadLoop:
         self.probe_bytes = probe_bytes
         self.verify_s = 0.0
         self.connect_s = 0.0
+        self._last_log = time.monotonic()  # of the last still-waiting line
         self.first_chunk: tuple[int, float] | None = None  # (bytes, seconds) when probed
         # pairs completed per chunk index
         self.by_chunk: dict[int, list[int]] = {}
@@ -91,6 +92,29 @@ class ReadLoop:
             if self.on_tensor_done is not None:
                 self.on_tensor_done(pair.name)
 
+    def _wait(self, req: Any, nbytes: int, deadline: float, what: str,
+              timeout_message: Callable[[], str]) -> str:
+        """Poll a posted request until it leaves PROC; returns DONE or ERR.
+
+        Spins for the first polls (a chunk lands in milliseconds), then sleeps between
+        them; logs every 10 s while waiting; raises TransferTimeoutError with
+        ``timeout_message()`` once ``deadline`` (monotonic) has passed."""
+        polls = 0
+        while True:
+            state = self.agent.state(req, self.peer, nbytes)
+            if state != "PROC":
+                return state
+            now = time.monotonic()
+            if now > deadline:
+                raise TransferTimeoutError(timeout_message())
+            if now - self._last_log > _STILL_WAITING_EVERY_S:
+                log.info("still waiting for %s from %s after %.0f s", what, self.peer,
+                         now - (deadline - self.deadline_s))
+                self._last_log = now
+            polls += 1
+            if polls > _SPIN_POLLS:
+                time.sleep(_POLL_SLEEP_S)
+
     def _connect(self, deadline: float) -> None:
         """READ the first few KiB of the first piece before the clock starts.
 
@@ -115,16 +139,10 @@ class ReadLoop:
             idx = np.zeros(1, dtype=np.int32)
             req = agent.make_read(handles[0], idx, handles[1], idx, peer, b"")
             state = agent.post(req, peer, n)
-            polls = 0
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TransferTimeoutError(
-                        f"connecting to peer {peer} (a {n}-byte READ) did not finish within "
-                        f"{self.deadline_s} s; the peer may be hung")
-                polls += 1
-                if polls > _SPIN_POLLS:
-                    time.sleep(_POLL_SLEEP_S)
-                state = agent.state(req, peer, n)
+            if state == "PROC":
+                state = self._wait(req, n, deadline, f"the {n}-byte connect READ", lambda: (
+                    f"connecting to peer {peer} (a {n}-byte READ) did not finish within "
+                    f"{self.deadline_s} s; the peer may be hung"))
             if state == "ERR":
                 raise PeerError(f"connecting to peer {peer} (a {n}-byte READ) failed: the peer "
                                 "vanished or its memory is gone; try another source")
@@ -138,8 +156,7 @@ class ReadLoop:
     def run(self) -> tuple[float, float, TransportVerdict | None]:
         plan, agent, peer = self.plan, self.agent, self.peer
         total = plan.total_bytes
-        start = time.monotonic()
-        deadline = start + self.deadline_s
+        deadline = time.monotonic() + self.deadline_s
         local_h = remote_h = None
         inflight: list[tuple[int, Any, float]] = []  # (chunk index, request, post time)
         probe_verdict: TransportVerdict | None = None
@@ -152,7 +169,6 @@ class ReadLoop:
             t0 = time.perf_counter()
             next_chunk, done_bytes, stopping = 0, 0, False
             landed = t0
-            last_log = time.monotonic()
 
             def post_more() -> None:
                 nonlocal next_chunk, stopping
@@ -180,24 +196,12 @@ class ReadLoop:
                     break  # stopping with nothing in flight
                 ci, req, posted = inflight[0]
                 c = plan.chunks[ci]
-                polls = 0
-                while True:
-                    state = agent.state(req, peer, c.nbytes)
-                    if state != "PROC":
-                        break
-                    now = time.monotonic()
-                    if now > deadline:
-                        raise TransferTimeoutError(
-                            f"READ from peer {peer} did not finish within {self.deadline_s} s: "
-                            f"{done_bytes} of {total} bytes arrived ({ci}/{len(plan.chunks)} "
-                            "chunks); the peer may be hung or the link far too slow")
-                    if now - last_log > _STILL_WAITING_EVERY_S:
-                        log.info("still waiting for chunk %d/%d (%d bytes) from %s after %.0f s",
-                                 ci + 1, len(plan.chunks), c.nbytes, peer, now - start)
-                        last_log = now
-                    polls += 1
-                    if polls > _SPIN_POLLS:
-                        time.sleep(_POLL_SLEEP_S)
+                state = self._wait(
+                    req, c.nbytes, deadline,
+                    f"chunk {ci + 1}/{len(plan.chunks)} ({c.nbytes} bytes)", lambda: (
+                        f"READ from peer {peer} did not finish within {self.deadline_s} s: "
+                        f"{done_bytes} of {total} bytes arrived ({ci}/{len(plan.chunks)} "
+                        "chunks); the peer may be hung or the link far too slow"))
                 if state == "ERR":
                     raise PeerError(
                         f"READ of chunk {ci + 1}/{len(plan.chunks)} ({c.nbytes} bytes) from peer "
