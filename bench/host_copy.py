@@ -12,7 +12,7 @@ warm source and destination pages) copied by:
 into private anonymous memory and into an :class:`ArenaWriter`'s segment, and
 prints each median against ``torch`` into private memory.
 
-Usage: python bench/host_copy.py [--mib N] [--repeat N]
+Usage: python bench/host_copy.py [--quick] [--mib N] [--repeat N]
 Prints one line per measurement, then ONE JSON object on the last line.
 """
 
@@ -41,9 +41,12 @@ def _median_ms(fn: Callable[[], Any], repeat: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=200)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats")
+    parser.add_argument("--mib", type=int, default=None, help="buffer size (default 200)")
+    parser.add_argument("--repeat", type=int, default=None, help="timed runs (default 7)")
     args = parser.parse_args()
+    args.mib = args.mib or (64 if args.quick else 200)
+    args.repeat = args.repeat or (3 if args.quick else 7)
 
     import torch
 
