@@ -84,6 +84,14 @@ class _Reporter:
         self.last = 0.0
         self.done = 0
 
+    def begin(self) -> None:
+        """Start the rate clock: the data plane starts now.
+
+        Time spent before (source lookup, allocation) must not count as credit for the
+        rate cap, or a slow setup lets the first chunks through uncapped.
+        """
+        self.started = time.monotonic()
+
     def send(self, done: int, total: int, force: bool = False,
              rate_bps: float | None = None) -> None:
         now = time.monotonic()
@@ -190,6 +198,7 @@ class Agent(Closeable):
             total = sum(t.numel() * t.element_size() for t in dest.values())
             reporter.send(0, total, force=True)  # PENDING -> RUNNING
             own = [h.worker_id for h in self.served]
+            reporter.begin()
             result = pull(identity, dest, client=self.client, timeout_s=opts.timeout_s,
                           verify=opts.verify, progress=reporter,
                           stop=lambda: stop.is_set() or bool(shutdown and shutdown.is_set()),
