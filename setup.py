@@ -69,7 +69,8 @@ if os.path.exists(_ATOMICS_SOURCE) and os.environ.get("MX_BUILD_EXT", "1") != "0
     ext_modules.append(Extension(
         "modelexpress.shm_arena._atomics",
         sources=[_ATOMICS_SOURCE],
-        extra_compile_args=["-O2", "-fvisibility=hidden"],
+        extra_compile_args=["-O2", "-fvisibility=hidden", "-pthread"],
+        extra_link_args=["-pthread"],
     ))
 
 packages, package_dir = _packages()

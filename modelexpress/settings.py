@@ -116,7 +116,9 @@ class MxSettings(BaseSettings):
     shm_arena_bytes: int = _field(
         2048 * _MIB, "shm", "Size of each shared-memory tensor arena in /dev/shm.", gt=0)
     shm_min_tensor_bytes: int = _field(
-        8 * _MIB, "shm", "Smaller tensors take the normal path.", gt=0)
+        1 * _MIB, "shm",
+        "Smaller tensors take the normal path (vLLM copies tensors under 1 MiB into the "
+        "pickle stream anyway).", gt=0)
     shm_arena_min_readers: int = _field(
         2, "shm",
         "Only queues with at least this many node-local readers get an arena (the one-reader "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (two H200s; see ../shared/GPU.md). Usage:
-#   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-8b p2p-nodigest digest shm vmm
+#   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-8b p2p-nodigest digest
+#                                       shm host-copy shm-ab vmm
 # `setup` installs the carried wheels (.whl-gpu: nixl-cu13, pydantic-settings,
 # fastapi, uvicorn...) into /tmp/site and the project in editable mode (which builds
 # the C extensions for this machine's Python). Logs go to $OUT (or ./gpu-out).
@@ -52,6 +53,23 @@ for stage in "$@"; do
       ;;
     shm)
       python3 bench/shm_arena.py --gpu 2>&1 | tee "$OUT/bench_shm_gpu.log" | tail -20
+      ;;
+    host-copy)
+      python3 bench/host_copy.py 2>&1 | tee "$OUT/bench_host_copy_gpu_host.log" | tail -12
+      ;;
+    shm-ab)  # the vLLM MessageQueue A/B/C on this 32-core host: carry .vllm-gpu
+      # (scripts/pack_vllm_gpu.sh) instead of .whl-gpu; the C extension must be
+      # built for this Python (the setup stage did it, or this does it now).
+      if [ ! -d /tmp/site-vllm/vllm ]; then
+        mkdir -p /tmp/site-vllm && tar xzf .vllm-gpu/vllm-py.tgz -C /tmp/site-vllm &&
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target /tmp/site-vllm .vllm-gpu/*.whl || exit 1
+      fi
+      python3 -c "import modelexpress.shm_arena._atomics" 2>/dev/null ||
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+          > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+      PYTHONPATH=/tmp/site-vllm:$PYTHONPATH python3 bench/shm_arena.py ${SHM_AB_ARGS:-} 2>&1 |
+        tee "$OUT/bench_shm_ab_gpu_host.log" | tail -45
       ;;
     vmm)
       python3 bench/vmm_arena.py --quick 2>&1 | tee "$OUT/bench_vmm_gpu.log" | tail -5

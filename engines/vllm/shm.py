@@ -57,7 +57,7 @@ class ArenaConfig:
     """How queues created after installation get their arena."""
 
     arena_bytes: int = 2048 * _MIB
-    min_tensor_bytes: int = 8 * _MIB
+    min_tensor_bytes: int = 1 * _MIB
     min_readers: int = 2
     n_descriptors: int = 256
     prefault: bool = True
@@ -103,7 +103,7 @@ def installed_config() -> ArenaConfig | None:
 
 
 def install_shm_tensor_arena(*, arena_bytes: int = 2048 * _MIB,
-                             min_tensor_bytes: int = 8 * _MIB, min_readers: int = 2,
+                             min_tensor_bytes: int = 1 * _MIB, min_readers: int = 2,
                              n_descriptors: int = 256, prefault: bool = True) -> bool:
     """Make every vLLM ``MessageQueue`` created from now on use the modelexpress arena.
 
@@ -214,6 +214,7 @@ def _wrap_create_from_handle(original: Any) -> Any:
             from modelexpress.shm_arena import ArenaReader, default_pinner
             reader = ArenaReader(arena_handle, queue.local_reader_rank, pinner=default_pinner())
             reader.pin_now()  # no-op without a CUDA context; then lazily at the first tensor
+            reader.warm_up()  # the first message pays no first-call costs of the rebuild
             queue.tensor_arena = reader
         return queue
 

@@ -16,6 +16,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
@@ -194,7 +195,87 @@ stream_copy(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* stream_copy_parallel(dst_buf, dst_off, src_addr, nbytes, threads, chunk)
+ *
+ * The same copy split over `threads` threads (the caller's included), each
+ * claiming the next `chunk` bytes from a shared counter until none remain. Why
+ * claimed chunks and not one fixed share per thread: on a shared machine a
+ * thread that loses its CPU for a while no longer holds back a fixed half of the
+ * copy; the others take its remaining chunks. Every thread's copy ends with an
+ * sfence and is joined before this returns, so the caller's later release store
+ * publishes all of it. If a thread cannot be started, the ones that did (at
+ * least the caller) do its chunks.
+ */
+struct copy_job {
+    uint8_t *dst;
+    const uint8_t *src;
+    size_t nbytes;
+    size_t chunk;
+    size_t next; /* index of the next unclaimed chunk (atomic) */
+};
+
+static void *
+copy_worker(void *arg)
+{
+    struct copy_job *job = (struct copy_job *)arg;
+    for (;;) {
+        size_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        size_t lo = i * job->chunk;
+        if (lo >= job->nbytes)
+            break;
+        size_t n = job->nbytes - lo < job->chunk ? job->nbytes - lo : job->chunk;
+        copy_bytes(job->dst + lo, job->src + lo, n);
+    }
+    return NULL;
+}
+
+#define MAX_COPY_THREADS 64
+
+static PyObject *
+stream_copy_parallel(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t off, nbytes, threads, chunk;
+    unsigned long long src;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OnKnnn:stream_copy_parallel", &obj, &off, &src, &nbytes,
+                          &threads, &chunk))
+        return NULL;
+    if (threads < 1 || threads > MAX_COPY_THREADS || chunk < 64 || chunk % 64 != 0) {
+        PyErr_Format(PyExc_ValueError, "threads must be 1..%d and chunk a positive multiple "
+                     "of 64 (got %zd, %zd)", MAX_COPY_THREADS, threads, chunk);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (off < 0 || nbytes < 0 || off > view.len - nbytes || (nbytes && src == 0)) {
+        PyErr_Format(PyExc_ValueError, "bad copy of %zd bytes to offset %zd of a %zd-byte buffer",
+                     nbytes, off, view.len);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    struct copy_job job = {(uint8_t *)view.buf + off, (const uint8_t *)(uintptr_t)src,
+                           (size_t)nbytes, (size_t)chunk, 0};
+    pthread_t tids[MAX_COPY_THREADS];
+    int started = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 1; t < threads; t++) {
+        if (pthread_create(&tids[started], NULL, copy_worker, &job) != 0)
+            break; /* the threads already running (and this one) do the rest */
+        started++;
+    }
+    copy_worker(&job);
+    for (int t = 0; t < started; t++)
+        pthread_join(tids[t], NULL);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"stream_copy_parallel", stream_copy_parallel, METH_VARARGS,
+     "stream_copy_parallel(buf, offset, src_addr, nbytes, threads, chunk): the copy over "
+     "threads claiming chunks, GIL released."},
     {"stream_copy", stream_copy, METH_VARARGS,
      "stream_copy(buf, offset, src_addr, nbytes): copy raw bytes in, GIL released."},
     {"load_acquire", load_acquire, METH_VARARGS,

@@ -167,7 +167,7 @@ class ArenaWriter(Closeable):
     """
 
     def __init__(self, n_readers: int, capacity_bytes: int, *, n_descriptors: int = 256,
-                 min_tensor_bytes: int = 8 << 20, prefault: bool = True,
+                 min_tensor_bytes: int = 1 << 20, prefault: bool = True,
                  log_interval_s: float = 60.0) -> None:
         if not 1 <= n_readers <= _MAX_READERS:
             raise ConfigError(f"n_readers must be in 1..{_MAX_READERS} (got {n_readers})")
@@ -382,6 +382,19 @@ class ArenaReader(Closeable):
         self._ensure_pinned()
         return self.pinned
 
+    def warm_up(self) -> None:
+        """Run the rebuild path once, on the segment header; nothing is acknowledged.
+
+        Called at attach by the vLLM adapter (like :meth:`pin_now`) so a worker's
+        first message does not pay this path's first-call costs (in a forked worker
+        also the copy-on-write faults of the pages the path touches) inside its
+        latency. Reads no data extent.
+        """
+        holder = np.frombuffer(self._segment.mm, dtype=np.uint8, count=64, offset=0)
+        weakref.finalize(holder, _noop)
+        view = torch.from_numpy(holder).view(torch.bfloat16).view((32,))
+        del view, holder
+
     def _ensure_pinned(self) -> None:
         if self._pin_tried or not self._pinner.can_pin():
             return
@@ -464,6 +477,10 @@ class ArenaReader(Closeable):
     def close(self) -> None:
         """Unpin and unmap (the mapping stays while tensors view it). Idempotent."""
         self._finalizer()
+
+
+def _noop() -> None:
+    return None
 
 
 def _close_reader(segment: ShmSegment, pinner: Pinner, state: dict[str, Any]) -> None:

@@ -136,6 +136,9 @@ def populate(mm: mmap.mmap, start: int, length: int) -> str:
 # the 2-core CI machine, 27.8 vs 21.5 ms on a 32-core GPU host).
 _PARALLEL_MIN_BYTES = 32 << 20
 _MAX_COPY_THREADS = 8
+# Threads claim the copy in chunks of this size (a thread that loses its CPU
+# holds back at most the chunk it is in, not a fixed share of the copy).
+_COPY_CHUNK = 2 << 20
 
 
 def _copy_threads(nbytes: int) -> int:
@@ -149,9 +152,9 @@ def copy_in(buf: Any, offset: int, src: Any, *, threads: int | None = None) -> b
 
     With the C extension, for 32 MiB or more on a machine with 2 or more usable
     CPUs: streaming (non-temporal) stores on x86-64, the GIL released, the copy
-    split across up to 8 threads (one per usable CPU); the threads are joined
-    before this returns, and each ends with a store fence, so a later
-    :func:`store_release` publishes the bytes.
+    done by up to 8 threads (one per usable CPU) that claim 2 MiB chunks from a
+    shared counter; the threads are joined before this returns, and each ends
+    with a store fence, so a later :func:`store_release` publishes the bytes.
 
     Args:
         buf: the writable shared mapping (the arena's ``mmap``).
@@ -172,23 +175,6 @@ def copy_in(buf: Any, offset: int, src: Any, *, threads: int | None = None) -> b
     base = src.data_ptr()
     if parts == 1:
         _native.stream_copy(buf, offset, base, nbytes)
-        return True
-    step = (nbytes // parts) & ~63
-    bounds = [(i * step, nbytes if i == parts - 1 else (i + 1) * step) for i in range(parts)]
-    errors: list[BaseException] = []
-
-    def run(lo: int, hi: int) -> None:
-        try:
-            _native.stream_copy(buf, offset + lo, base + lo, hi - lo)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
-            errors.append(exc)
-
-    workers = [threading.Thread(target=run, args=b, daemon=True) for b in bounds[1:]]
-    for t in workers:
-        t.start()
-    run(*bounds[0])
-    for t in workers:
-        t.join()
-    if errors:
-        raise errors[0]
+    else:
+        _native.stream_copy_parallel(buf, offset, base, nbytes, parts, _COPY_CHUNK)
     return True

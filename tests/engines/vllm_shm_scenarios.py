@@ -66,6 +66,15 @@ def api(seed: int) -> None:
     assert isinstance(q2.tensor_arena, ArenaWriter)
     assert q2.handle.mx_shm_arena.name == q2.tensor_arena.name
     assert q2.handle.tensor_arena_handle is None  # vLLM's own arena is not created too
+    # Default threshold 1 MiB (vLLM inlines smaller buffers into the pickle): a 2 MiB
+    # tensor, which vLLM's own 8 MB threshold would send once per reader, is diverted.
+    import io
+
+    from modelexpress.shm_arena import ArenaPickler
+    ArenaPickler(io.BytesIO(), q2.tensor_arena).dump(
+        [torch.ones(MIB // 2), torch.ones(MIB // 8)])  # 2 MiB and 512 KiB of float32
+    stats = q2.tensor_arena.stats()
+    assert stats["diverted"] == 1 and stats["declined"]["small"] == 1, stats
     q_vllm = MessageQueue(2, 2, enable_shm_tensor_arena=True)
     assert isinstance(q_vllm.tensor_arena, ArenaWriter), "ours replaces vLLM's arena"
     q1 = MessageQueue(1, 1)

@@ -116,6 +116,17 @@ def test_release_follows_storage_lifetime_views_included(pair) -> None:
     assert writer.stats()["used"] == 0
 
 
+def test_warm_up_changes_nothing_shared(pair) -> None:
+    writer, reader = pair
+    header = bytes(reader._segment.mm[:4096])
+    reader.warm_up()
+    assert bytes(reader._segment.mm[:4096]) == header, "warm_up wrote to the segment"
+    held = pickle.loads(send(writer, torch.full((MIB,), 5, dtype=torch.uint8)))
+    assert writer.reclaim() == 0 and int(held[7]) == 5  # the real path is unaffected
+    del held
+    assert writer.reclaim() == 1
+
+
 def test_exhaustion_and_oversize_fall_back_and_variable_size_fits() -> None:
     with ArenaWriter(1, 32 * MIB, n_descriptors=4, prefault=False) as writer, \
             ArenaReader(writer.handle, 0):

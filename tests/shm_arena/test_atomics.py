@@ -76,3 +76,30 @@ def test_copy_in_is_byte_exact_at_any_alignment(nbytes: int, offset: int, src_sk
                                                     and atomics._copy_threads(nbytes) >= 2)
     finally:
         mm.close()
+
+
+@pytest.mark.skipif(not atomics.NATIVE, reason="the C extension is not built")
+@pytest.mark.parametrize("nbytes,threads,chunk", [
+    (0, 4, 64), (1000, 4, 64), (64 * 7, 8, 64), (1 << 20, 3, 4096 + 64), ((1 << 20) + 5, 2, 1 << 20),
+])
+def test_parallel_copy_claims_every_chunk_once(nbytes: int, threads: int, chunk: int) -> None:
+    """Threads claiming chunks from a shared counter: more threads than chunks, a
+    partial last chunk and a chunk larger than the copy all land every byte once."""
+    import torch
+
+    from modelexpress.shm_arena import _atomics
+    gen = torch.Generator().manual_seed(nbytes + threads)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    size = nbytes + 256
+    mm = mmap.mmap(-1, size)
+    try:
+        mm[:] = b"\xcd" * size
+        _atomics.stream_copy_parallel(mm, 100, src.data_ptr() if nbytes else 0, nbytes,
+                                      threads, chunk)
+        assert mm[100:100 + nbytes] == bytes(src.numpy())
+        assert mm[:100] == b"\xcd" * 100 and mm[100 + nbytes:] == b"\xcd" * (size - 100 - nbytes)
+        for bad in ((0, 64), (65, 64), (2, 0), (2, 100)):  # threads 1..64, chunk k*64
+            with pytest.raises(ValueError):
+                _atomics.stream_copy_parallel(mm, 0, src.data_ptr() or 1, 0, *bad)
+    finally:
+        mm.close()
