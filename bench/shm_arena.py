@@ -38,7 +38,9 @@ the previous one (interactive serving, one image at a time). Readers park on
 vLLM's notify socket instead of busy-spinning (``busy_loop_s = 0``), in all three
 modes alike: with 4 readers on a 2-core machine, spinning readers would take the
 CPU from the writer and measure the scheduler. ``--reader-spin`` keeps vLLM's
-1 s busy loop.
+1 s busy loop. Before each timed send: ``--settle-s`` of idle time, then a wait
+(at most 2 s) until the CPUs were less than 15% busy for 50 ms, so that another
+path's teardown is not timed (``quiet_wait_{n}r_ms_median_max`` reports it).
 
 ``--gpu`` (GPU machine; vLLM-free, since that machine has no vLLM): a forked
 reader that made its CUDA context first attaches to an arena (pinned at attach
@@ -93,6 +95,37 @@ def _round(nbytes: int, dtype: str) -> int:
     import torch
     size = getattr(torch, dtype).itemsize
     return nbytes - nbytes % size
+
+
+def _cpu_busy_jiffies() -> tuple[int, int] | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _wait_quiet(max_s: float = 2.0, window_s: float = 0.05, busy_frac: float = 0.15) -> float:
+    """Wait (at most ``max_s``) until the machine's CPUs were mostly idle for a window.
+
+    The kernel's teardown of a previous send (another path's readers unmapping
+    1 GB) shows as system time; a send timed during it measures that, not the
+    path. Returns the seconds waited beyond the first window (0 without /proc).
+    """
+    began = time.monotonic()
+    while True:
+        before = _cpu_busy_jiffies()
+        time.sleep(window_s)
+        after = _cpu_busy_jiffies()
+        if before is None or after is None:
+            return 0.0
+        total = after[1] - before[1]
+        if total <= 0 or (after[0] - before[0]) / total < busy_frac:
+            return max(0.0, time.monotonic() - began - window_s)
+        if time.monotonic() - began >= max_s:
+            return time.monotonic() - began - window_s
 
 
 # --------------------------------------------------------------------------- reader
@@ -329,8 +362,10 @@ def child_main(n_readers: int, seed: int, messages: int, main_bytes: int, quick:
                 tag = 1 + msg_id % 200
                 tensors = build(msg, tag)
                 # Let the previous send's teardown (readers freeing 1 GB of ZMQ
-                # frames on the default path) finish before anything is timed.
+                # frames on the default path) finish before anything is timed:
+                # a fixed pause, then until the machine is idle (bounded).
                 time.sleep(settle_s)
+                quiet_ms = _wait_quiet() * 1e3
                 if mode == "ours" and phase != "reuse":
                     # The floor is measured right before our send (same load),
                     # and applies to all three paths of this round.
@@ -349,7 +384,7 @@ def child_main(n_readers: int, seed: int, messages: int, main_bytes: int, quick:
                     "enqueue_ms": enq * 1e3, "hold_ms": hold * 1e3,
                     "bytes": arena_bytes + other, "arena_bytes": arena_bytes,
                     "bytes_copied": arena_bytes + n_readers * other,
-                    "ok": all(g[5] for g in got),
+                    "ok": all(g[5] for g in got), "quiet_wait_ms": quiet_ms,
                 }))
                 del tensors
             for mode, ph, record in pending:
@@ -488,6 +523,9 @@ def main() -> None:
         summary[f"max_single_copy_over_memcpy_{n}r"] = round(max(single), 3)
         summary[f"single_copy_over_1_25_{n}r"] = sum(x > 1.25 for x in single)
         summary[f"ours_over_1_25_{n}r"] = sum(x > 1.25 for x in per_msg)
+        quiet = [r["quiet_wait_ms"] for mode in MODES for r in runs[(mode, n)]["main"]]
+        summary[f"quiet_wait_{n}r_ms_median_max"] = [round(statistics.median(quiet), 1),
+                                                     round(max(quiet), 1)]
         if all(r.get("stream_floor_ms") for r in ours["main"]):
             per_stream = [r["hold_ms"] / r["stream_floor_ms"] for r in ours["main"]]
             summary[f"median_over_stream_floor_{n}r"] = round(statistics.median(per_stream), 3)

@@ -11,6 +11,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -36,3 +38,17 @@ def test_digest_bench_reports_each_cpu_algorithm() -> None:
     for key in ("xxh3", "blake2b", "wsum"):
         assert out[f"gbps_{key}_cpu"] > 0, key
         assert out[f"ratio_{key}_vs_memcpy_cpu"] > 0, key
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_shm_arena_ab_runs_all_three_paths_and_reports_the_control() -> None:
+    out = _run("shm_arena.py", "--quick", "--readers", "2", "--messages", "3",
+               "--main-mib", "16", "--settle-s", "0")
+    for mode in ("default", "vllm_arena", "ours"):
+        assert out[f"{mode}_2r_median_ms"] > 0, mode
+        assert out[f"{mode}_2r_main_ok"] is True, mode  # readers saw the right bytes
+    assert out["ours_2r_large_on_arena"] == 2 and out["ours_2r_reuse_corrupted"] == 0
+    assert out["max_single_copy_over_memcpy_2r"] > 0 and out["max_over_memcpy_2r"] > 0
+    assert {"ours_over_1_25_2r", "single_copy_over_1_25_2r"} <= out.keys()
+    assert len(out["quiet_wait_2r_ms_median_max"]) == 2
