@@ -25,10 +25,11 @@ ratios are reported: against that per-message floor (same moment, same load),
 and against the run's floor (the median floor bandwidth applied to each
 message's bytes), which on a shared machine also contains the load swings.
 A control is timed with it: one more torch copy of the same bytes, timed once as a
-send is, first, after the same idle time (then 20 ms of idle separate the floor's
-copies from the send: torch's OpenMP workers spin for a while after a copy) (``max_single_copy_over_memcpy_{n}r``, and how many messages exceed 1.25x
-for it and for ours): on a shared machine a single copy's noise can exceed the
-criterion's margin by itself.
+send is, first, after the same idle time (``max_single_copy_over_memcpy_{n}r``, and
+how many messages exceed 1.25x for it and for ours): on a shared machine a single
+copy's noise can exceed the criterion's margin by itself. 20 ms of idle separate
+the floor's copies from the send (torch's OpenMP workers spin for a while after a
+copy).
 A second, stricter per-message floor uses the arena's own copy routine
 (``atomics.copy_in``: streaming stores, split across threads) into private
 memory: ``max_over_stream_floor_{n}r`` says how far the arena is from the
@@ -521,8 +522,8 @@ def main() -> None:
         summary[f"max_over_memcpy_large_{n}r"] = round(
             max(r["hold_ms"] / r["floor_ms"] for r in ours["large"]), 3)
         summary[f"ours_{n}r_over_memcpy_per_msg"] = [round(x, 2) for x in per_msg]
-        # The control: the floor's own copy, timed once right before our send, over
-        # the floor. Where it too exceeds 1.25, one copy's run-to-run noise on this
+        # The control: the floor's own copy, timed once after the idle time a send
+        # gets, over the floor. Where it too exceeds 1.25, one copy's run-to-run noise on this
         # machine is larger than the criterion's margin.
         single = [r["single_copy_ms"] / r["floor_ms"] for r in ours["main"]]
         summary[f"max_single_copy_over_memcpy_{n}r"] = round(max(single), 3)

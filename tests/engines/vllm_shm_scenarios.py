@@ -67,7 +67,7 @@ def api(seed: int) -> None:
     assert q2.handle.mx_shm_arena.name == q2.tensor_arena.name
     assert q2.handle.tensor_arena_handle is None  # vLLM's own arena is not created too
     # Default threshold 1 MiB (vLLM inlines smaller buffers into the pickle): a 2 MiB
-    # tensor, which vLLM's own 8 MB threshold would send once per reader, is diverted.
+    # tensor, which vLLM's own 8 MiB threshold would send once per reader, is diverted.
     import io
 
     from modelexpress.shm_arena import ArenaPickler
