@@ -129,10 +129,10 @@ populate(PyObject *self, PyObject *args)
     return PyUnicode_FromString(touched ? "touch" : "madvise");
 }
 
-/* stream_copy(dst_buf, dst_off, src_addr, nbytes)
+/* copy_bytes(d, s, n)
  *
- * Copies nbytes from the raw address src_addr (a live, contiguous CPU tensor the
- * caller holds) into dst_buf at dst_off, with the GIL released. On x86-64 the
+ * Copies n bytes from s (a live, contiguous CPU tensor the caller holds) to d
+ * (the arena). On x86-64 the
  * bulk goes through non-temporal stores: a plain copy first reads every
  * destination cache line it is about to overwrite (read-for-ownership); streaming
  * stores skip that, which made a 200 MiB copy into the arena 1.3x faster on the
@@ -170,34 +170,10 @@ copy_bytes(uint8_t *d, const uint8_t *s, size_t n)
 #endif
 }
 
-static PyObject *
-stream_copy(PyObject *self, PyObject *args)
-{
-    PyObject *obj;
-    Py_ssize_t off, nbytes;
-    unsigned long long src;
-    Py_buffer view;
-    if (!PyArg_ParseTuple(args, "OnKn:stream_copy", &obj, &off, &src, &nbytes))
-        return NULL;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE) < 0)
-        return NULL;
-    if (off < 0 || nbytes < 0 || off > view.len - nbytes || (nbytes && src == 0)) {
-        PyErr_Format(PyExc_ValueError, "bad copy of %zd bytes to offset %zd of a %zd-byte buffer",
-                     nbytes, off, view.len);
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    uint8_t *dst = (uint8_t *)view.buf + off;
-    Py_BEGIN_ALLOW_THREADS
-    copy_bytes(dst, (const uint8_t *)(uintptr_t)src, (size_t)nbytes);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
-    Py_RETURN_NONE;
-}
-
-/* stream_copy_parallel(dst_buf, dst_off, src_addr, nbytes, threads, chunk)
+/* stream_copy(dst_buf, dst_off, src_addr, nbytes, threads=1, chunk=2 MiB)
  *
- * The same copy split over `threads` threads (the caller's included), each
+ * copy_bytes of nbytes from the raw address src_addr into dst_buf at dst_off,
+ * with the GIL released, done by `threads` threads (the caller's included), each
  * claiming the next `chunk` bytes from a shared counter until none remain. Why
  * claimed chunks and not one fixed share per thread: on a shared machine a
  * thread that loses its CPU for a while no longer holds back a fixed half of the
@@ -232,13 +208,13 @@ copy_worker(void *arg)
 #define MAX_COPY_THREADS 64
 
 static PyObject *
-stream_copy_parallel(PyObject *self, PyObject *args)
+stream_copy(PyObject *self, PyObject *args)
 {
     PyObject *obj;
-    Py_ssize_t off, nbytes, threads, chunk;
+    Py_ssize_t off, nbytes, threads = 1, chunk = 2 << 20;
     unsigned long long src;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "OnKnnn:stream_copy_parallel", &obj, &off, &src, &nbytes,
+    if (!PyArg_ParseTuple(args, "OnKn|nn:stream_copy", &obj, &off, &src, &nbytes,
                           &threads, &chunk))
         return NULL;
     if (threads < 1 || threads > MAX_COPY_THREADS || chunk < 64 || chunk % 64 != 0) {
@@ -273,11 +249,9 @@ stream_copy_parallel(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
-    {"stream_copy_parallel", stream_copy_parallel, METH_VARARGS,
-     "stream_copy_parallel(buf, offset, src_addr, nbytes, threads, chunk): the copy over "
-     "threads claiming chunks, GIL released."},
     {"stream_copy", stream_copy, METH_VARARGS,
-     "stream_copy(buf, offset, src_addr, nbytes): copy raw bytes in, GIL released."},
+     "stream_copy(buf, offset, src_addr, nbytes, threads=1, chunk=2 MiB): copy raw bytes "
+     "in, GIL released, over threads claiming chunks."},
     {"load_acquire", load_acquire, METH_VARARGS,
      "load_acquire(buf, offset) -> int: atomic 64-bit load with acquire ordering."},
     {"store_release", store_release, METH_VARARGS,

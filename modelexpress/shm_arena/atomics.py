@@ -172,9 +172,5 @@ def copy_in(buf: Any, offset: int, src: Any, *, threads: int | None = None) -> b
     parts = threads if threads is not None else _copy_threads(nbytes)
     if threads is None and parts < 2:
         return False
-    base = src.data_ptr()
-    if parts == 1:
-        _native.stream_copy(buf, offset, base, nbytes)
-    else:
-        _native.stream_copy_parallel(buf, offset, base, nbytes, parts, _COPY_CHUNK)
+    _native.stream_copy(buf, offset, src.data_ptr(), nbytes, parts, _COPY_CHUNK)
     return True

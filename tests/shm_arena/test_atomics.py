@@ -94,12 +94,12 @@ def test_parallel_copy_claims_every_chunk_once(nbytes: int, threads: int, chunk:
     mm = mmap.mmap(-1, size)
     try:
         mm[:] = b"\xcd" * size
-        _atomics.stream_copy_parallel(mm, 100, src.data_ptr() if nbytes else 0, nbytes,
+        _atomics.stream_copy(mm, 100, src.data_ptr() if nbytes else 0, nbytes,
                                       threads, chunk)
         assert mm[100:100 + nbytes] == bytes(src.numpy())
         assert mm[:100] == b"\xcd" * 100 and mm[100 + nbytes:] == b"\xcd" * (size - 100 - nbytes)
         for bad in ((0, 64), (65, 64), (2, 0), (2, 100)):  # threads 1..64, chunk k*64
             with pytest.raises(ValueError):
-                _atomics.stream_copy_parallel(mm, 0, src.data_ptr() or 1, 0, *bad)
+                _atomics.stream_copy(mm, 0, src.data_ptr() or 1, 0, *bad)
     finally:
         mm.close()
