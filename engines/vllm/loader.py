@@ -1,35 +1,40 @@
 """``MxModelLoader``: vLLM loads its weights from a peer, or from disk and then serves them.
 
-vLLM 0.33.0 ships ``--load-format modelexpress``: its ``ModelExpressModelLoader``
-imports this module and wraps ``MxModelLoader(load_config)``, forwarding
-``download_model``, ``load_weights`` and ``load_model`` (then calling ``.eval()``). Our
-plugin also registers the class itself as ``--load-format mx``. Both take the same path:
+vLLM ships ``--load-format modelexpress`` (0.32 and 0.33): its
+``ModelExpressModelLoader`` imports this module and wraps ``MxModelLoader(load_config)``,
+forwarding ``download_model``, ``load_weights`` and ``load_model`` (then calling
+``.eval()``). Our plugin also registers the class itself as ``--load-format mx``. Both
+take the same path:
 
 ::
 
     load_model(vllm_config, model_config)
       identity <- vLLM config (model, revision, dtype, quantization, TP/PP/EP, rank, ...)
-      with maybe_enter_vmm_arena(MX_VMM_ARENA):          # one registered region per rank
-        model <- create_model()                           # vLLM's own construction
-        if a READY source has this identity:               # target
-          placeholder weights (vLLM's dummy loader) + process_weights_after_loading
-                                   # the layout now equals a serving peer's, bytes aside
-          pull(identity, every tensor the model holds)    # see tensors.py
-          on any failure: log why; re-create the model (it was post-processed)
-        else / after a failure:                            # disk
-          fallback loader (vLLM's default) .load_weights + process_weights_after_loading
-      serve_source(identity, tensors, arena)              # source (and fan-out target)
+      with maybe_enter_vmm_arena(MX_VMM_ARENA):           # one registered region per rank
+        model <- create_model()                            # vLLM's own construction
+        if a READY source has this identity:                # target
+          pull(identity, the model's parameters and buffers)  # the LOADED form
+        else / after a failure:                             # disk
+          fallback loader (vLLM's default) .load_weights
+        loaded <- views of the parameters and buffers       # kept only to serve them
+        process_weights_after_loading                       # vLLM's own, on every rank
+        probe <- the model's output on a fixed input        # probe.py
+        target: probe != the source's -> log, count, re-create, load from disk
+      serve_source(identity, loaded, probe)                 # source (and fan-out target)
 
-Why post-process first and pull after: ``process_weights_after_loading`` repacks and
-re-quantizes for the local kernels, which costs time and peak memory and is what a
-peer already did. Pulling the post-processed tensors skips it (only its cheap run on
-placeholders remains, to make the layout), at the price that the peer must have run
-the same vLLM version on the same device kind, which the identity guarantees.
-
-Known limit: state that ``process_weights_after_loading`` derives from the weight
-*values* and keeps as plain Python numbers (not tensors) is not transferred; no vLLM
-0.33.0 method does this for weights (scales stay tensors), and the tests pin the ones
-that keep tensors on kernel objects.
+Why peers exchange the loaded form (what ``load_weights`` produces) and not the
+post-processed one: post-processing may keep what the forward pass reads where no
+tensor walk can reach it. On CPU, vLLM packs every linear weight into a oneDNN handle
+or a packed tensor captured by a closure and empties ``layer.weight``; GPU kernels can
+do the same. A pull into a post-processed model then leaves the engine computing with
+placeholder state, with every moved byte correct. Moving the loaded form and running
+vLLM's own post-processing on the target is correct by construction for every layer
+whose post-processing is a function of its loaded weights, which is what vLLM's disk
+path assumes too. The price is running post-processing on the target (its time is in
+:class:`LoadReport`, and ``bench/vllm_engine.py`` measures it) and, on a source, the
+memory of loaded tensors that post-processing replaced (on CPU: every linear weight).
+A source whose post-processing changed a loaded tensor in place cannot serve the
+loaded form any more; it detects that (digests before and after) and does not serve.
 
 The vLLM loader API is imported here at module import: only vLLM (and our plugin)
 import this module.
@@ -53,7 +58,6 @@ from vllm.config import ModelConfig, VllmConfig, replace
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader import get_model_loader, register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
@@ -62,9 +66,10 @@ from modelexpress.errors import MxError
 from modelexpress.identity import ModelIdentity
 from modelexpress.settings import MxSettings
 
+from modelexpress.engines.vllm import probe as _probe
 from modelexpress.engines.vllm.identity import identity_from_vllm
 from modelexpress.engines.vllm.options import LoaderOptions, split_extra_config
-from modelexpress.engines.vllm.tensors import collect_model_tensors
+from modelexpress.engines.vllm.tensors import collect_loaded_tensors
 
 if TYPE_CHECKING:
     from modelexpress.client import MxClient
@@ -82,12 +87,19 @@ class LoadReport:
         identity: the identity this rank loaded.
         source: ``"peer"`` (pulled) or ``"disk"`` (the fallback loader).
         pull_result: the :class:`~modelexpress.p2p.PullResult` of a pull, else None.
-        fallback_reason: why the disk was used (no source, pull disabled, an error).
+        fallback_reason: why the disk was used (no source, pull disabled, an error, a
+            probe mismatch).
         recreated: the model was built a second time because a failed pull attempt
-            had already post-processed (or partly overwritten) the first one.
+            had already written into (or post-processed) the first one.
         serving: the weights were published as a source after the load.
+        not_serving_reason: why they were not, when serving was wanted.
         vmm_arena: the load ran inside a VMM arena (requested and available).
-        seconds: wall time of the whole load.
+        probe: the :class:`~modelexpress.engines.vllm.probe.ProbeVerdict` of a pull
+            (None for a disk load or with ``mx_probe`` off).
+        weights_seconds: filling the loaded form (the pull, or the disk loader).
+        post_process_seconds: vLLM's ``process_weights_after_loading``.
+        probe_seconds: computing the probe.
+        seconds: wall time of the whole load, serving excluded.
     """
 
     identity: ModelIdentity
@@ -96,8 +108,28 @@ class LoadReport:
     fallback_reason: str | None = None
     recreated: bool = False
     serving: bool = False
+    not_serving_reason: str | None = None
     vmm_arena: bool = False
+    probe: Any = None
+    weights_seconds: float = 0.0
+    post_process_seconds: float = 0.0
+    probe_seconds: float = 0.0
     seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class _Loaded:
+    """The loaded form of a model, kept after post-processing so it can be served."""
+
+    tensors: dict[str, torch.Tensor]
+    digest_algorithm: str | None = None
+    digests: dict[str, str] | None = None  # before post-processing
+    probe: Any = None
+    unservable: str | None = None  # why these tensors no longer hold the loaded form
+
+
+class _ProbeMismatch(MxError):
+    """The pulled model computes differently from its source."""
 
 
 class MxModelLoader(BaseModelLoader):
@@ -172,35 +204,42 @@ class MxModelLoader(BaseModelLoader):
             # The arena (if any) outlives this block: the weights live in it, and a
             # source registers its range as one NIXL region.
             report.vmm_arena = arena is not None
-            model, tensors = self._load(vllm_config, model_config, prefix, device, report)
+            model, loaded = self._load(vllm_config, model_config, prefix, device, report)
         report.seconds = time.perf_counter() - start
-        report.serving = self._maybe_serve(model, identity, report, tensors, arena)
+        report.serving = self._maybe_serve(model, identity, report, loaded, arena)
         self.last_report = report
-        logger.info("modelexpress: %s rank %d loaded from %s in %.2f s%s%s",
-                    model_config.model, identity.rank, report.source, report.seconds,
+        logger.info("modelexpress: %s rank %d loaded from %s in %.2f s (weights %.3f s, "
+                    "post-processing %.3f s, probe %.3f s)%s%s", model_config.model,
+                    identity.rank, report.source, report.seconds, report.weights_seconds,
+                    report.post_process_seconds, report.probe_seconds,
                     f" ({report.fallback_reason})" if report.fallback_reason else "",
-                    "; serving it" if report.serving else "")
+                    "; serving it" if report.serving else
+                    (f"; not serving: {report.not_serving_reason}"
+                     if report.not_serving_reason else ""))
         return model.eval()
 
     # --- the two paths ----------------------------------------------------------------
     def _load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
-              device: torch.device,
-              report: LoadReport) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
+              device: torch.device, report: LoadReport) -> tuple[nn.Module, _Loaded]:
         registrations = _LayerRegistrations(vllm_config)
         model = self._create(vllm_config, model_config, prefix, device)
+        online = _has_online_quant(model)
         if not self.options.pull:
             report.fallback_reason = "pull disabled (mx_pull=false)"
+        elif online:
+            report.fallback_reason = ("online quantization quantizes weights while they "
+                                      "load; there is no loaded form to pull")
         else:
             attempt = _PullAttempt()
-            tensors = self._try_pull(model, model_config, device, report, attempt)
-            if tensors is not None:
-                return model, tensors
+            loaded = self._try_pull(model, model_config, device, report, attempt)
+            if loaded is not None:
+                return model, loaded
             if attempt.touched:
-                # The failed attempt post-processed the model (and may have written
-                # part of a pull into it); the disk loader needs a fresh one. Drop the
-                # old one first so the device never holds two.
+                # The failed attempt wrote into the model (part of a pull, or a whole pull
+                # that the probe rejected, then post-processed); the disk loader needs a
+                # fresh one. Drop the old one first so the device never holds two.
                 logger.info("modelexpress: re-creating %s for the %s loader: the failed "
-                            "pull attempt had post-processed it", model_config.model,
+                            "pull attempt had written into it", model_config.model,
                             self.options.fallback_load_format)
                 registrations.forget_since_snapshot()
                 del model
@@ -210,13 +249,19 @@ class MxModelLoader(BaseModelLoader):
         logger.info("modelexpress: loading %s from disk with the %s loader (%s)",
                     model_config.model, self.options.fallback_load_format,
                     report.fallback_reason)
+        t0 = time.perf_counter()
         self._fallback.load_weights(model, model_config)
-        _post_process(model, model_config, device)
-        return model, None
+        report.weights_seconds = time.perf_counter() - t0
+        serve = self.options.serve and not online
+        loaded = self._finish(model, model_config, device, report, keep=serve,
+                              probe=serve and self.options.probe)
+        if online and self.options.serve:
+            loaded.unservable = report.fallback_reason
+        return model, loaded
 
     def _try_pull(self, model: nn.Module, model_config: ModelConfig, device: torch.device,
-                  report: LoadReport, attempt: "_PullAttempt") -> dict[str, torch.Tensor] | None:
-        """Pull into ``model``; the tensors on success, None (reason in ``report``) on failure."""
+                  report: LoadReport, attempt: "_PullAttempt") -> _Loaded | None:
+        """Pull into ``model`` and post-process it; None (reason in ``report``) on failure."""
         identity = report.identity
         try:
             with self._client() as client:
@@ -226,19 +271,28 @@ class MxModelLoader(BaseModelLoader):
                     return None
                 from modelexpress.p2p import pull
 
-                # Placeholder values: post-processing needs finite numbers, not these
-                # particular ones; the pull overwrites every byte it produced.
-                attempt.touched = True
-                self._placeholder_loader().load_weights(model, model_config)
-                _post_process(model, model_config, device)
-                tensors = collect_model_tensors(model)
+                tensors = collect_loaded_tensors(model)
                 settings = self._settings
+                logger.info("modelexpress: pulling %s rank %d (%d tensors, %.3f GB) from %d "
+                            "READY source(s)", model_config.model, identity.rank, len(tensors),
+                            sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9,
+                            len(ready))
+                attempt.touched = True
+                t0 = time.perf_counter()
                 result = pull(identity, tensors, client=client,
                               timeout_s=self.options.pull_timeout_s, verify=self.options.verify,
                               policy=settings.source_policy,
                               max_attempts=settings.max_source_attempts,
                               chunk_bytes=settings.transfer_chunk_bytes,
-                              refuse_slow_transport=settings.refuse_slow_transport)
+                              refuse_slow_transport=settings.refuse_slow_transport,
+                              max_gbps=settings.transfer_max_gbps)
+                report.weights_seconds = time.perf_counter() - t0
+                report.pull_result = result
+                keep = self.options.serve_after_pull
+                loaded = self._finish(model, model_config, device, report, keep=keep,
+                                      probe=self.options.probe, tensors=tensors)
+                if self.options.probe:
+                    self._check_probe(loaded, result, report)
         except MxError as exc:
             report.fallback_reason = f"pull failed: {type(exc).__name__}: {exc}"
             logger.warning("modelexpress: pull of %s (identity %s) failed, falling back to "
@@ -252,31 +306,102 @@ class MxModelLoader(BaseModelLoader):
                            self.options.fallback_load_format, exc_info=True)
             return None
         report.source = "peer"
-        report.pull_result = result
         logger.info("modelexpress: pulled %s rank %d from %s: %d tensors, %.3f GB in %.3f s "
-                    "(%.2f GB/s, %s, digests %s)", model_config.model, identity.rank,
-                    ",".join(result.source_ids), result.tensors, result.bytes / 1e9,
-                    result.seconds, result.gbps, result.transport,
-                    "verified" if result.verified else "not checked")
-        return tensors
+                    "(%.2f GB/s, %s, digests %s, probe %s)", model_config.model,
+                    identity.rank, ",".join(result.source_ids), result.tensors,
+                    result.bytes / 1e9, result.seconds, result.gbps, result.transport,
+                    "verified" if result.verified else "not checked",
+                    report.probe.outcome if report.probe is not None else "off")
+        return loaded
+
+    def _finish(self, model: nn.Module, model_config: ModelConfig, device: torch.device,
+                report: LoadReport, *, keep: bool, probe: bool,
+                tensors: dict[str, torch.Tensor] | None = None) -> _Loaded:
+        """Post-process the freshly filled model; keep its loaded form if it will be served.
+
+        Args:
+            keep: hold views of the loaded form (to serve it) and check, by digests
+                before and after, that post-processing left their bytes alone.
+            probe: compute the behavioural probe afterwards.
+            tensors: the loaded form if already collected (the pull's destination).
+        """
+        from modelexpress.transfer import digest as _digest
+
+        loaded = _Loaded(tensors={})
+        if keep:
+            loaded.tensors = tensors if tensors is not None else collect_loaded_tensors(model)
+            values = list(loaded.tensors.values())
+            loaded.digest_algorithm = _digest.default_algorithm(values)
+            loaded.digests = dict(zip(loaded.tensors,
+                                      _digest.digest_many(values, loaded.digest_algorithm)))
+        tensors = None  # not kept unless serving: post-processing may free what it replaces
+        t0 = time.perf_counter()
+        _post_process(model, model_config, device)
+        report.post_process_seconds = time.perf_counter() - t0
+        if keep:
+            after = _digest.digest_many(list(loaded.tensors.values()), loaded.digest_algorithm)
+            changed = [name for name, value in zip(loaded.tensors, after)
+                       if loaded.digests[name] != value]
+            if changed:
+                loaded.unservable = (
+                    f"post-processing changed {len(changed)} loaded tensor(s) in place "
+                    f"(e.g. {changed[0]!r}); peers need the loaded form")
+        if probe:
+            loaded.probe = _probe.compute_probe(model)
+            report.probe_seconds = loaded.probe.seconds
+        return loaded
+
+    def _check_probe(self, loaded: _Loaded, result: Any, report: LoadReport) -> None:
+        """Compare the pulled model's probe with every serving source's; raise on mismatch."""
+        verdicts = []
+        for source_id, attributes in result.source_attributes.items():
+            published = attributes.get(_probe.ATTRIBUTE)
+            try:
+                theirs = _probe.Probe.from_json(published) if published is not None else None
+            except ValueError as exc:
+                logger.warning("modelexpress: source %s published a malformed probe (%s); "
+                               "treating it as absent", source_id, exc)
+                theirs = None
+            verdicts.append(_probe.compare_probes(loaded.probe, theirs, source=source_id))
+        bad = next((v for v in verdicts if not v.ok), None)
+        report.probe = bad or next((v for v in verdicts if v.outcome != "match"),
+                                   verdicts[0] if verdicts else None)
+        if bad is not None:
+            logger.error("modelexpress: probe mismatch after pulling %s rank %d: %s; "
+                         "loading from disk instead", report.identity.model,
+                         report.identity.rank, bad.reason)
+            raise _ProbeMismatch(f"probe mismatch: {bad.reason}")
+        for verdict in verdicts:
+            if verdict.outcome != "match":
+                logger.warning("modelexpress: probe not checked: %s (the pull stands on its "
+                               "digests)", verdict.reason)
 
     def _maybe_serve(self, model: nn.Module, identity: ModelIdentity, report: LoadReport,
-                     tensors: dict[str, torch.Tensor] | None, arena: Any) -> bool:
+                     loaded: _Loaded, arena: Any) -> bool:
         wanted = self.options.serve if report.source == "disk" else self.options.serve_after_pull
         if not wanted:
+            return False
+        if loaded.unservable or not loaded.tensors:
+            report.not_serving_reason = loaded.unservable or "the model holds no tensors"
+            logger.warning("modelexpress: not serving %s rank %d: %s", identity.model,
+                           identity.rank, report.not_serving_reason)
             return False
         client = None
         try:
             from modelexpress.p2p import serve_source
 
             client = self._client()
-            if tensors is None:
-                tensors = collect_model_tensors(model)
-            handle = serve_source(identity, tensors, client=client, arena=arena,
+            attributes = {"vllm_form": "loaded"}
+            if loaded.probe is not None:
+                attributes[_probe.ATTRIBUTE] = loaded.probe.to_json()
+            handle = serve_source(identity, loaded.tensors, client=client, arena=arena,
                                   heartbeat_interval_s=self._settings.heartbeat_interval_s,
-                                  single_region=self._settings.arena_single_mr)
+                                  single_region=self._settings.arena_single_mr,
+                                  digest_algorithm=loaded.digest_algorithm,
+                                  known_digests=loaded.digests, attributes=attributes)
         except Exception as exc:  # noqa: BLE001 - serving is an extra; the engine runs without it
             # Our own errors say what went wrong; anything else is a bug: show where.
+            report.not_serving_reason = f"{type(exc).__name__}: {exc}"
             logger.warning("modelexpress: could not publish %s rank %d as a source (%s: %s); "
                            "the engine runs, peers will not pull from it", identity.model,
                            identity.rank, type(exc).__name__, exc,
@@ -287,7 +412,7 @@ class MxModelLoader(BaseModelLoader):
         _track_source(model, handle, client)
         return True
 
-    # --- helpers --------------------------------------------------------------------------
+# --- helpers --------------------------------------------------------------------------
     def _create(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
                 device: torch.device) -> nn.Module:
         with device:
@@ -307,11 +432,6 @@ class MxModelLoader(BaseModelLoader):
                            "the VMM arena serves CUDA devices only", device)
             return False
         return self.options.vmm_arena
-
-    def _placeholder_loader(self) -> BaseModelLoader:
-        # vLLM's dummy loader also materialises online-quantized (meta-device) layers.
-        return DummyModelLoader(replace(self._fallback_config, load_format="dummy",
-                                        model_loader_extra_config={}))
 
     def _client(self) -> "MxClient":
         from modelexpress.client import MxClient
@@ -350,11 +470,17 @@ class _LayerRegistrations:
             del moe[self._moe_count:]
 
 
+def _has_online_quant(model: nn.Module) -> bool:
+    """vLLM's online quantization builds layers on the meta device and quantizes them
+    while their weights load (the same test as vLLM's base loader)."""
+    return any(getattr(getattr(m, "quant_method", None), "uses_meta_device", False)
+               for m in model.modules())
+
+
 def _post_process(model: nn.Module, model_config: ModelConfig, device: torch.device) -> None:
     """vLLM's post-load steps, in the order its base loader runs them."""
     _release_cached_memory()
-    if any(getattr(getattr(m, "quant_method", None), "uses_meta_device", False)
-           for m in model.modules()):
+    if _has_online_quant(model):
         finalize_layerwise_processing(model, model_config)
     process_weights_after_loading(model, model_config, device)
     _release_cached_memory()

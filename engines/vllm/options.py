@@ -44,6 +44,8 @@ class LoaderOptions:
         pull_timeout_s: deadline of the whole pull (``mx_pull_timeout_s``;
             ``MX_TRANSFER_TIMEOUT_S``).
         verify: check digests of pulled tensors (``mx_verify``; ``MX_VERIFY_DIGESTS``).
+        probe: publish (source) and check (target) the behavioural probe
+            (``mx_probe``; ``MX_VLLM_PROBE``).
         fallback_load_format: vLLM load format used when no peer serves
             (``mx_fallback_load_format``, default ``auto``).
         identity_extra: facts added to the identity (``mx_identity_extra``, a dict).
@@ -62,6 +64,7 @@ class LoaderOptions:
     vmm_arena_bytes: int = 1 << 44
     pull_timeout_s: float = 600.0
     verify: bool = True
+    probe: bool = True
     fallback_load_format: str = "auto"
     identity_extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
     client_timeout_s: float = 10.0
@@ -99,6 +102,7 @@ class LoaderOptions:
             "vmm_arena_bytes": settings.vmm_arena_bytes,
             "pull_timeout_s": settings.transfer_timeout_s,
             "verify": settings.verify_digests,
+            "probe": settings.vllm_probe,
             "client_timeout_s": settings.client_timeout_s,
             "client_retries": settings.client_retries,
             "settings": settings,
@@ -126,6 +130,7 @@ OPTION_KEYS: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "mx_vmm_arena": ("vmm_arena", bool),
     "mx_pull_timeout_s": ("pull_timeout_s", (int, float)),
     "mx_verify": ("verify", bool),
+    "mx_probe": ("probe", bool),
     "mx_fallback_load_format": ("fallback_load_format", str),
     "mx_identity_extra": ("identity_extra", dict),
 }

@@ -9,6 +9,7 @@ inside the function (``import modelexpress`` stays light).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 __all__ = ["register"]
@@ -38,6 +39,7 @@ def register() -> None:
             return
         from modelexpress.settings import MxSettings
         settings = MxSettings()
+        _configure_logging(settings.log_level)
 
         # --- model loader -----------------------------------------------------
         # `--load-format mx`. vLLM's built-in `modelexpress` format reaches the
@@ -56,3 +58,23 @@ def register() -> None:
             )
         _registered = True
     log.debug("modelexpress vLLM plugin registered (shm arena: %s)", settings.shm_tensor_arena)
+
+
+def _configure_logging(level: str) -> None:
+    """Send our log lines where vLLM's go (stdout), at ``MX_LOG_LEVEL``.
+
+    The plugin is modelexpress's entry point in every vLLM process, and vLLM configures
+    only its own ``vllm`` logger: without a handler here the loader's INFO lines
+    (pulled from which source, probe verdict, why it fell back) would be lost and its
+    warnings printed bare by logging's last-resort handler. An application that
+    configured the ``modelexpress`` logger itself keeps its handlers.
+    """
+    ours = logging.getLogger("modelexpress")
+    if ours.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(
+        "%(levelname)s %(asctime)s [%(name)s] %(message)s", datefmt="%m-%d %H:%M:%S"))
+    ours.addHandler(handler)
+    ours.setLevel(level)
+    ours.propagate = False

@@ -39,13 +39,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["collect_model_tensors", "LAYOUT_VERSION", "DEFAULT_EXCLUDE"]
+__all__ = ["collect_model_tensors", "collect_loaded_tensors", "LAYOUT_VERSION",
+           "DEFAULT_EXCLUDE"]
 
 logger = logging.getLogger(__name__)
 
 # Part of the identity: bump when the naming or dedup rules here change, so peers that
-# would name the same memory differently never pair up.
-LAYOUT_VERSION = "1"
+# would name the same memory differently never pair up. "2": peers exchange the loaded
+# form (parameters and buffers before post-processing), see collect_loaded_tensors.
+LAYOUT_VERSION = "2"
 
 # Attribute names never walked. ``kv_cache``: vLLM's attention layers point at the KV
 # cache once the engine allocated it (GBs, per-request state, not weights); at the end
@@ -87,6 +89,32 @@ def collect_model_tensors(model: nn.Module, *, max_depth: int = 6,
     """
     walker = _Walker(model, max_depth=max_depth, exclude=exclude)
     return _dedupe_storages(walker.walk())
+
+
+def collect_loaded_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights in their *loaded* form: parameters and buffers, once per storage.
+
+    This is what vLLM's ``load_weights`` fills and ``process_weights_after_loading``
+    starts from. Call it between the two: the returned tensors share memory with the
+    model's parameters at that moment, and keep that memory alive if post-processing
+    later replaces a parameter (so a source can still serve the loaded form).
+
+    Args:
+        model: a model built by vLLM (weights loaded, or about to be pulled into).
+
+    Returns:
+        ``{name: tensor}`` in ``named_parameters`` then ``named_buffers`` order; tied
+        weights and views appear once (see :func:`collect_model_tensors`); tensors on
+        the ``meta`` device and empty ones are left out.
+
+    Raises:
+        ValueError: two different storages got the same name (a bug).
+    """
+    def items() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from model.named_parameters(remove_duplicate=False)
+        yield from model.named_buffers(remove_duplicate=False)
+
+    return _dedupe_storages(items())
 
 
 class _Walker:

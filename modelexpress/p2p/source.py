@@ -54,8 +54,13 @@ class SourceHandle(ClosedOnCollect):
     def __init__(self, *, client: "MxClient", identity: "ModelIdentity", source_id: str,
                  worker_id: str, manager: "NixlTransferManager",
                  registration: "RegistrationInfo", manifest_bytes: int,
-                 heartbeat_interval_s: float, owns_manager: bool) -> None:
+                 heartbeat_interval_s: float, owns_manager: bool,
+                 tensors: Mapping[str, "torch.Tensor"] | None = None) -> None:
         self.client = client
+        # Peers read this memory until close(): hold the tensors so it cannot be freed
+        # and reused while published (the caller may drop its last reference, e.g. the
+        # vLLM loader serves loaded weights that post-processing replaced in the model).
+        self._tensors = dict(tensors or {})
         self.identity = identity
         self.source_id = source_id
         self.worker_id = worker_id
@@ -117,6 +122,7 @@ class SourceHandle(ClosedOnCollect):
             self.manager.close()
         else:
             self.manager.stop_progress_thread()
+        self._tensors = {}
         log.info("source %s (%s) withdrawn", self.source_id, self.identity.model)
 
 
@@ -126,7 +132,9 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                  worker_id: str | None = None, endpoint: str = "",
                  heartbeat_interval_s: float = 5.0, digests: bool = True,
                  digest_algorithm: str | None = None,
-                 single_region: bool = False) -> SourceHandle:
+                 single_region: bool = False,
+                 known_digests: Mapping[str, str] | None = None,
+                 attributes: Mapping[str, Any] | None = None) -> SourceHandle:
     """Register ``tensors`` with NIXL and publish them as a READY source.
 
     Args:
@@ -144,6 +152,11 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         digest_algorithm: force a digest algorithm (``wsum-i32-v1`` works on CPU and
             GPU; the default is chosen by where the tensors live).
         single_region: ``MX_ARENA_SINGLE_MR``: force one region over the arena.
+        known_digests: per-tensor digests the caller already computed with
+            ``digest_algorithm`` (the vLLM loader digests the loaded weights before
+            post-processing and checks them after); not computed again.
+        attributes: JSON facts published with the manifest for targets to check
+            (the vLLM loader's behavioural probe).
 
     Returns:
         A :class:`SourceHandle`; close it to withdraw.
@@ -163,7 +176,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         else:
             registration = mgr.register_tensors(tensors)
         manifest = mgr.build_manifest(tensors, digests=digests,
-                                      digest_algorithm=digest_algorithm)
+                                      digest_algorithm=digest_algorithm,
+                                      known_digests=known_digests, attributes=attributes)
         manifest_json = manifest.to_json()
         mgr.start_progress_thread()
         wid = worker_id or default_worker_id("source")
@@ -180,4 +194,5 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
     return SourceHandle(client=client, identity=identity, source_id=info.id, worker_id=wid,
                         manager=mgr, registration=registration,
                         manifest_bytes=len(manifest_json),
-                        heartbeat_interval_s=heartbeat_interval_s, owns_manager=owns)
+                        heartbeat_interval_s=heartbeat_interval_s, owns_manager=owns,
+                        tensors=tensors)

@@ -62,6 +62,8 @@ class PullResult:
             READ: a chunk is checked while the next ones move).
         connect_seconds: opening the source's memory before the clock starts (a
             4 KiB READ; in ``total_seconds``, not in ``seconds``).
+        source_attributes: source id -> the ``attributes`` its manifest published
+            (facts for the caller to check, e.g. the vLLM loader's probe).
     """
 
     source_ids: tuple[str, ...]
@@ -77,11 +79,14 @@ class PullResult:
     total_seconds: float
     verify_seconds: float = 0.0
     connect_seconds: float = 0.0
+    source_attributes: Mapping[str, Mapping[str, object]] = dataclasses.field(
+        default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-able form (for ``--json`` output)."""
         data = dataclasses.asdict(self)
         data["skipped"] = [dataclasses.asdict(s) for s in self.skipped]
+        data["source_attributes"] = {k: dict(v) for k, v in self.source_attributes.items()}
         return data
 
 
@@ -166,7 +171,7 @@ class _Puller:
     def __init__(self, *, client: "MxClient", manager: "NixlTransferManager",
                  dest: Mapping[str, "torch.Tensor"], allow_partial: bool, verify: bool,
                  deadline: _Deadline, progress: ProgressFn | None, stop: "StopSignal | None",
-                 chunk_bytes: int, refuse_slow_transport: bool) -> None:
+                 chunk_bytes: int, refuse_slow_transport: bool, max_gbps: float = 0.0) -> None:
         self.client = client
         self.manager = manager
         self.dest = dest
@@ -181,6 +186,8 @@ class _Puller:
         self._done: dict[str, int] = {}
         self._lock = threading.Lock()
         self.total = 0
+        self._max_bps = max_gbps * 1e9
+        self._rate_start: float | None = None
 
     def _report(self, key: str, done: int) -> None:
         with self._lock:
@@ -188,11 +195,29 @@ class _Puller:
             total_done = sum(self._done.values())
         if self.progress is not None:
             self.progress(min(total_done, self.total), self.total)
+        self._throttle(total_done)
+
+    def _throttle(self, total_done: int) -> None:
+        """Sleep between chunks until the average rate is under ``max_gbps``.
+
+        The clock starts with the first READ, so setup time is no credit; a stop or
+        the deadline ends the sleep early (the READ loop then raises).
+        """
+        if self._max_bps <= 0 or self._rate_start is None:
+            return
+        ahead = total_done / self._max_bps - (time.monotonic() - self._rate_start)
+        ahead = min(ahead, self.deadline.end - time.monotonic())
+        end = time.monotonic() + ahead
+        while ahead > 0 and not _stopped(self.stop):
+            time.sleep(min(ahead, 0.05))
+            ahead = end - time.monotonic()
 
     def read_from(self, info: "SourceInfo", manifest: "Manifest",
                   dest: Mapping[str, "torch.Tensor"], key: str, allow_partial: bool):  # noqa: ANN201
         """READ ``dest`` from one source; returns the data plane's TransferResult."""
         assert info.agent_metadata is not None
+        if self._rate_start is None:
+            self._rate_start = time.monotonic()
         peer = self.manager.add_peer(info.agent_metadata)
         try:
             return self.manager.read(
@@ -222,7 +247,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
          stripe: int = 1, prefer: Sequence[str] = (), exclude_workers: Sequence[str] = (),
          manager: "NixlTransferManager | None" = None, chunk_bytes: int = 1 << 30,
          refuse_slow_transport: bool = False, on_destination: Callable[
-             [Mapping[str, "torch.Tensor"]], None] | None = None) -> PullResult:
+             [Mapping[str, "torch.Tensor"]], None] | None = None,
+         max_gbps: float = 0.0) -> PullResult:
     """Pull the weights of ``identity`` from READY sources into ``dest``.
 
     Args:
@@ -250,6 +276,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         chunk_bytes: bytes per READ chunk (``MX_TRANSFER_CHUNK_BYTES``).
         refuse_slow_transport: fail on a detected transport fallback.
         on_destination: called with the destination tensors before any byte moves.
+        max_gbps: cap on the receive rate in GB/s, enforced between chunks (0: none;
+            ``MX_TRANSFER_MAX_GBPS``).
 
     Returns:
         A :class:`PullResult`.
@@ -261,9 +289,10 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         TransferCancelledError: ``stop`` was set.
         TransferTimeoutError: ``timeout_s`` ran out.
     """
-    if max_attempts < 1 or stripe < 1 or timeout_s <= 0:
-        raise ConfigError(f"max_attempts and stripe must be >= 1 and timeout_s > 0 "
-                          f"(got {max_attempts}, {stripe}, {timeout_s})")
+    if max_attempts < 1 or stripe < 1 or timeout_s <= 0 or max_gbps < 0:
+        raise ConfigError(f"max_attempts and stripe must be >= 1, timeout_s > 0 and "
+                          f"max_gbps >= 0 (got {max_attempts}, {stripe}, {timeout_s}, "
+                          f"{max_gbps})")
     from modelexpress.transfer import NixlTransferManager
 
     own_client = None
@@ -287,7 +316,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         mgr = manager or NixlTransferManager()
         puller = _Puller(client=client, manager=mgr, dest=dest or {}, allow_partial=allow_partial,
                          verify=verify, deadline=deadline, progress=progress, stop=stop,
-                         chunk_bytes=chunk_bytes, refuse_slow_transport=refuse_slow_transport)
+                         chunk_bytes=chunk_bytes, refuse_slow_transport=refuse_slow_transport,
+                         max_gbps=max_gbps)
         try:
             # Fetch manifests lazily: a source may vanish between list and get.
             fetched: list[tuple["SourceInfo", "Manifest"]] = []
@@ -301,6 +331,7 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
                     puller.skip(info, f"could not fetch its manifest: {exc}")
             if not fetched:
                 raise NoSourceError(_no_source_message(identity, puller.skipped))
+            attributes = {info.id: manifest.attributes for info, manifest in fetched}
             if dest is None:
                 dest = allocate_like(fetched[0][1], device)
                 puller.dest = dest
@@ -334,7 +365,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             warnings=tuple(w for _, r in results for w in r.warnings),
             total_seconds=time.monotonic() - started,
             verify_seconds=sum(r.verify_seconds for _, r in results),
-            connect_seconds=max(r.connect_seconds for _, r in results))
+            connect_seconds=max(r.connect_seconds for _, r in results),
+            source_attributes={info.id: attributes[info.id] for info, _ in results})
         log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s)%s",
                  identity.model, out.bytes, out.tensors, ",".join(out.source_ids), out.seconds,
                  out.gbps, out.transport,

@@ -262,13 +262,17 @@ class NixlTransferManager(ClosedOnCollect):
             log.debug("deregistered %d %s regions", len(regions), mem)
 
     def build_manifest(self, tensors: Mapping[str, torch.Tensor], *, digests: bool = True,
-                       digest_algorithm: str | None = None) -> Manifest:
+                       digest_algorithm: str | None = None,
+                       known_digests: Mapping[str, str] | None = None,
+                       attributes: Mapping[str, Any] | None = None) -> Manifest:
         """Describe registered ``tensors`` for peers, with this agent's name and regions.
 
         Args:
             tensors: name -> tensor in load order (registered already).
             digests: compute per-tensor digests (on each tensor's device).
             digest_algorithm: force one of ``digest.ALGORITHMS``.
+            known_digests: digests already computed with ``digest_algorithm``.
+            attributes: JSON facts published with the manifest.
 
         Raises:
             ConfigError: a tensor is not inside any registered region.
@@ -281,7 +285,8 @@ class NixlTransferManager(ClosedOnCollect):
                 raise ConfigError(f"tensor {name!r} ({n} bytes on {t.device}) is not registered; "
                                   "call register_tensors/register_arena first")
         return build_manifest(tensors, agent_name=self.name, regions=self.registered_regions(),
-                              digests=digests, digest_algorithm=digest_algorithm)
+                              digests=digests, digest_algorithm=digest_algorithm,
+                              known_digests=known_digests, attributes=attributes)
 
     # -- peers ------------------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:

@@ -12,7 +12,12 @@ Layout (version 1)::
     {"format": "modelexpress.manifest", "version": 1,
      "agent_name": "...", "host": "...", "digest_algorithm": "wsum-i32-v1",
      "tensors": [{"name", "dtype", "shape", "nbytes", "addr", "device", "digest"}, ...],
-     "regions": [[addr, nbytes, device_index], ...]}
+     "regions": [[addr, nbytes, device_index], ...],
+     "attributes": {...}}
+
+``attributes`` is optional: facts about the served weights that the transfer layer
+does not interpret, checked by whoever pulls them (the vLLM loader publishes its
+behavioural probe there). Readers of version 1 that predate it ignore it.
 """
 
 from __future__ import annotations
@@ -124,6 +129,7 @@ class Manifest:
         digest_algorithm: one of ``digest.ALGORITHMS``, or None when no digests.
         tensors: entries in the source's order (load order).
         regions: the source's registered regions as (addr, nbytes, device).
+        attributes: opaque JSON facts for the puller (e.g. the vLLM probe).
     """
 
     agent_name: str
@@ -132,6 +138,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     regions: tuple[tuple[int, int, int], ...] = ()
     version: int = VERSION
+    attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -147,6 +154,7 @@ class Manifest:
             "host": self.host, "digest_algorithm": self.digest_algorithm,
             "tensors": [t.to_json() for t in self.tensors],
             "regions": [list(r) for r in self.regions],
+            "attributes": dict(self.attributes),
         }, separators=(",", ":"))
 
     @classmethod
@@ -179,13 +187,19 @@ class Manifest:
             regions = tuple((int(a), int(n), int(d)) for a, n, d in obj.get("regions", []))
         except (TypeError, ValueError) as exc:
             raise ManifestMismatchError(f"malformed manifest regions: {exc}") from exc
+        attributes = obj.get("attributes", {})
+        if not isinstance(attributes, dict):
+            raise ManifestMismatchError("malformed manifest attributes: not a JSON object")
         return cls(agent_name=str(obj.get("agent_name", "")), host=str(obj.get("host", "")),
-                   digest_algorithm=algo, tensors=tensors, regions=regions)
+                   digest_algorithm=algo, tensors=tensors, regions=regions,
+                   attributes=attributes)
 
 
 def build_manifest(tensors: Mapping[str, torch.Tensor], *, agent_name: str = "",
                    regions: Iterable[tuple[int, int, int]] = (), digests: bool = True,
-                   digest_algorithm: str | None = None, host: str | None = None) -> Manifest:
+                   digest_algorithm: str | None = None, host: str | None = None,
+                   known_digests: Mapping[str, str] | None = None,
+                   attributes: Mapping[str, Any] | None = None) -> Manifest:
     """Describe ``tensors`` (in their mapping order) for publishing.
 
     Usually called through ``NixlTransferManager.build_manifest``, which fills in
@@ -198,6 +212,10 @@ def build_manifest(tensors: Mapping[str, torch.Tensor], *, agent_name: str = "",
         digests: compute a digest per tensor (on the tensor's device).
         digest_algorithm: force an algorithm; default per :func:`digest.default_algorithm`.
         host: hostname; default this machine's.
+        known_digests: digests the caller already computed with ``digest_algorithm``
+            (name -> value), used instead of computing them again; every tensor must
+            have one.
+        attributes: JSON-able facts published with the manifest (see the module doc).
 
     Returns:
         The manifest.
@@ -210,10 +228,20 @@ def build_manifest(tensors: Mapping[str, torch.Tensor], *, agent_name: str = "",
         algo = digest_algorithm or _digest.default_algorithm(tensors.values())
         if algo not in _digest.ALGORITHMS:
             raise ConfigError(f"unknown digest algorithm {algo!r}; allowed: {_digest.ALGORITHMS}")
-    values = (_digest.digest_many(list(tensors.values()), algo) if algo
-              else [None] * len(tensors))
+    if known_digests is not None:
+        if algo is None or digest_algorithm is None:
+            raise ConfigError("known_digests needs digests=True and the digest_algorithm "
+                              "they were computed with")
+        missing = [name for name in tensors if name not in known_digests]
+        if missing:
+            raise ConfigError(f"known_digests lacks {len(missing)} tensor(s), e.g. {missing[0]!r}")
+        values = [known_digests[name] for name in tensors]
+    else:
+        values = (_digest.digest_many(list(tensors.values()), algo) if algo
+                  else [None] * len(tensors))
     entries = tuple(tensor_entry(name, t, value)
                     for (name, t), value in zip(tensors.items(), values))
     return Manifest(agent_name=agent_name, host=host or socket.gethostname(),
                     digest_algorithm=algo, tensors=entries,
-                    regions=tuple((int(a), int(n), int(d)) for a, n, d in regions))
+                    regions=tuple((int(a), int(n), int(d)) for a, n, d in regions),
+                    attributes=dict(attributes or {}))
