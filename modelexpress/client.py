@@ -153,6 +153,7 @@ class MxClient(ClosedOnCollect):
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 10.0,
                  retries: int = 3, transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.token = token  # kept for helpers that act for this client (a source's guardian)
         self.timeout_s = timeout_s
         self.retries = retries
         headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -398,7 +398,8 @@ class MxModelLoader(BaseModelLoader):
                                   heartbeat_interval_s=self._settings.heartbeat_interval_s,
                                   single_region=self._settings.arena_single_mr,
                                   digest_algorithm=loaded.digest_algorithm,
-                                  known_digests=loaded.digests, attributes=attributes)
+                                  known_digests=loaded.digests, attributes=attributes,
+                                  guardian=True)
         except Exception as exc:  # noqa: BLE001 - serving is an extra; the engine runs without it
             # Our own errors say what went wrong; anything else is a bug: show where.
             report.not_serving_reason = f"{type(exc).__name__}: {exc}"

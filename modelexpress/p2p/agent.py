@@ -270,7 +270,8 @@ class Agent(Closeable):
         try:
             handle = serve_source(identity, dest, client=self.client,
                                   worker_id=f"{self.agent_id}-fanout-{len(self.served)}",
-                                  heartbeat_interval_s=self.options.heartbeat_interval_s)
+                                  heartbeat_interval_s=self.options.heartbeat_interval_s,
+                                  guardian=True)
         except MxError as exc:
             log.warning("could not serve the pulled weights onward: %s", exc)
             return

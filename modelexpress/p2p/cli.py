@@ -152,7 +152,7 @@ def publish(
             handle = stack.enter_context(serve_source(
                 identity, tensors, client=client, arena=arena, worker_id=worker_id,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
-                single_region=settings.arena_single_mr))
+                single_region=settings.arena_single_mr, guardian=True))
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             summary = {"ok": True, "source_id": handle.source_id, "worker_id": handle.worker_id,
                        "identity": identity.to_dict(), "tensors": len(tensors), "bytes": nbytes,

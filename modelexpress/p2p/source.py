@@ -55,8 +55,10 @@ class SourceHandle(ClosedOnCollect):
                  worker_id: str, manager: "NixlTransferManager",
                  registration: "RegistrationInfo", manifest_bytes: int,
                  heartbeat_interval_s: float, owns_manager: bool,
-                 tensors: Mapping[str, "torch.Tensor"] | None = None) -> None:
+                 tensors: Mapping[str, "torch.Tensor"] | None = None,
+                 guardian: Any = None) -> None:
         self.client = client
+        self._guardian = guardian
         # Peers read this memory until close(): hold the tensors so it cannot be freed
         # and reused while published (the caller may drop its last reference, e.g. the
         # vLLM loader serves loaded weights that post-processing replaced in the model).
@@ -117,6 +119,8 @@ class SourceHandle(ClosedOnCollect):
         self._stop.set()
         if self._failure is None:
             self._withdraw()
+        if self._guardian is not None:
+            self._guardian.close()
         self._thread.join(timeout=self._interval + 5.0)
         if self._owns_manager:
             self.manager.close()
@@ -134,7 +138,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                  digest_algorithm: str | None = None,
                  single_region: bool = False,
                  known_digests: Mapping[str, str] | None = None,
-                 attributes: Mapping[str, Any] | None = None) -> SourceHandle:
+                 attributes: Mapping[str, Any] | None = None,
+                 guardian: bool = False) -> SourceHandle:
     """Register ``tensors`` with NIXL and publish them as a READY source.
 
     Args:
@@ -157,6 +162,9 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
             post-processing and checks them after); not computed again.
         attributes: JSON facts published with the manifest for targets to check
             (the vLLM loader's behavioural probe).
+        guardian: start a guardian process that marks the source STALE as soon as
+            this process ends without closing it (killed; see
+            :mod:`modelexpress.p2p.guardian`).
 
     Returns:
         A :class:`SourceHandle`; close it to withdraw.
@@ -188,6 +196,15 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         if owns:
             mgr.close()
         raise
+    guard = None
+    if guardian:
+        from modelexpress.p2p.guardian import start_guardian
+
+        try:
+            guard = start_guardian(client.base_url, client.token, info.id)
+        except OSError as exc:
+            log.warning("source %s: no guardian (%s); if this process is killed the source "
+                        "stays READY until the server times it out", info.id, exc)
     log.info("source %s serving %s: %d tensors, %d bytes, %d %s regions, published in %.3f s",
              info.id, identity.model, len(manifest.tensors), manifest.total_bytes,
              registration.regions, registration.strategy, time.perf_counter() - t0)
@@ -195,4 +212,4 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                         manager=mgr, registration=registration,
                         manifest_bytes=len(manifest_json),
                         heartbeat_interval_s=heartbeat_interval_s, owns_manager=owns,
-                        tensors=tensors)
+                        tensors=tensors, guardian=guard)
