@@ -9,12 +9,21 @@ release the GIL while pages are faulted in. On Linux ``shm_open`` is exactly
 Only the creator unlinks, and only in the process that created it: a forked
 child inherits the creator's Python object, and its garbage collection must not
 remove a segment the parent still serves.
+
+A creator killed before it could close (SIGKILL, or vLLM's default shutdown,
+which force-kills its engine core and workers without waiting) must not leave
+its segment behind either: the creating process registers the name with
+``multiprocessing``'s resource tracker (the creator only, never an attaching
+reader), which unlinks it once every process sharing that tracker has exited;
+a clean close unregisters it. This is the same crash cleanup vLLM's own ring
+buffers rely on.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import multiprocessing.resource_tracker as resource_tracker
 import os
 import secrets
 import shutil
@@ -106,6 +115,7 @@ class ShmSegment:
             _unlink_quietly(path)
             raise ShmArenaError(f"cannot size/map {path} ({size} bytes): {exc}") from exc
         os.close(fd)  # the mapping keeps the segment; the fd is not needed
+        _track(name)
         log.debug("created shm segment %s (%d bytes)", name, size)
         return cls(name, mm, size, creator_pid=os.getpid())
 
@@ -192,6 +202,7 @@ class ShmSegment:
             thread.join(timeout=10.0)
         if self.is_creator:
             _unlink_quietly(segment_path(self.name))
+            _untrack(self.name)
         try:
             self.mm.close()
         except BufferError:
@@ -203,6 +214,29 @@ class ShmSegment:
     def closed(self) -> bool:
         """True after :meth:`close`."""
         return self._closed
+
+
+# The resource tracker's type whose cleanup is shm_unlink(); names carry the
+# leading slash, as multiprocessing.shared_memory registers them.
+_TRACKER_TYPE = "shared_memory"
+
+
+def _track(name: str) -> None:
+    """Have the resource tracker unlink ``name`` if this process dies without closing it."""
+    try:
+        resource_tracker.register(f"/{name}", _TRACKER_TYPE)
+    except OSError as exc:
+        # Not fatal: only crash cleanup is lost; a normal close still unlinks.
+        log.warning("could not register shm segment %s with the resource tracker (a "
+                    "crash would leave it in %s): %s", name, SHM_DIR, exc)
+
+
+def _untrack(name: str) -> None:
+    try:
+        resource_tracker.unregister(f"/{name}", _TRACKER_TYPE)
+    except OSError as exc:
+        log.debug("could not unregister shm segment %s from the resource tracker: %s",
+                  name, exc)
 
 
 def _unlink_quietly(path: str) -> None:
