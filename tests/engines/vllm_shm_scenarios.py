@@ -1,8 +1,10 @@
-"""Scenarios of the modelexpress arena inside vLLM 0.33's real MessageQueue (CPU).
+"""Scenarios of the modelexpress arena inside vLLM's real MessageQueue (CPU).
 
 Usage: python vllm_shm_scenarios.py NAME SEED. Each runs in a fresh interpreter;
 readers are forked and attach through ``MessageQueue.create_from_handle`` (the
-way vLLM's workers do); exit code 0 means every check passed.
+way vLLM's workers do); exit code 0 means every check passed. The vLLM imported
+is whichever ``PYTHONPATH`` selects; ``MX_TEST_EXPECT_VLLM`` (a version prefix)
+makes the scenario fail if it is not the release the caller meant to test.
 """
 
 from __future__ import annotations
@@ -276,6 +278,9 @@ def stress(seed: int) -> None:
 
 if __name__ == "__main__":
     name, seed = sys.argv[1], int(sys.argv[2])
-    print(f"scenario={name} seed={seed}", flush=True)
+    import vllm
+    print(f"scenario={name} seed={seed} vllm={vllm.__version__} ({vllm.__file__})", flush=True)
+    expect = os.environ.get("MX_TEST_EXPECT_VLLM")
+    assert expect is None or vllm.__version__.startswith(expect), (vllm.__version__, expect)
     {"api": api, "roundtrip": roundtrip, "stress": stress}[name](seed)
     print("ok", flush=True)
