@@ -6,10 +6,17 @@ so right away by default), the OOM killer and ``kill -9`` do the same. Until the
 server's ``MX_STALE_AFTER_S`` passes, targets would then pick a source that cannot
 serve, and fail on it.
 
-So a source may start a guardian (``serve_source(..., guardian=True)``): a child
-process that reads its standard input, a pipe whose only writer is the source's
-process. The kernel closes that pipe when the source's process ends, however it
-ends; the guardian then marks the source STALE and exits. A source that closes
+So a source may start a guardian (``serve_source(..., guardian=True)``): a process
+that reads its standard input, a pipe whose only writer is the source's process. The
+kernel closes that pipe when the source's process ends, however it ends; the
+guardian then marks the source STALE and exits. The guardian is not a descendant of
+the source (it is re-parented to init at once) and has its own session: vLLM kills
+its whole process tree at shutdown, and process-group signals do not reach it.
+
+Limit: when the engine is PID 1 of its container, orphans are re-parented to it and
+die with it. Run it under an init (``tini``, ``docker run --init``, or
+``shareProcessNamespace: true`` in a pod); otherwise the server marks the source
+STALE after ``MX_STALE_AFTER_S``. A source that closes
 normally withdraws itself and tells the guardian so first (``closed`` on the pipe),
 and the guardian exits without a request.
 
@@ -18,7 +25,7 @@ The guardian ignores SIGINT and SIGTERM: a signal sent to the whole process grou
 It exits on its own right after. Its settings come as one JSON line on the pipe,
 never on the command line (the token is a secret).
 
-Protocol on the pipe: ``{"server": URL, "token": TOKEN|null, "source_id": ID, "pid": PID}\\n``,
+Protocol on the pipe (the command line is ``--source-id ID``, for ``ps``): ``{"server": URL, "token": TOKEN|null, "source_id": ID, "pid": PID}\\n``,
 then ``closed\\n`` on a normal close, or end of file when the source's process died.
 """
 
@@ -43,34 +50,23 @@ _WITHDRAW_DEADLINE_S = 30.0
 
 
 class Guardian(Closeable):
-    """The source side of a guardian: holds the pipe's write end.
+    """The source side of a guardian: holds the pipe's write end."""
 
-    Attributes:
-        pid: the guardian's process id.
-    """
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self._proc = proc
-        self.pid = proc.pid
+    def __init__(self, pipe: IO[bytes], source_id: str) -> None:
+        self._pipe = pipe
+        self.source_id = source_id
 
     def close(self) -> None:
         """Tell the guardian the source withdrew itself; it exits without acting. Idempotent."""
-        pipe: IO[bytes] | None = self._proc.stdin
-        if pipe is None or pipe.closed:
+        if self._pipe.closed:
             return
         try:
-            pipe.write(b"closed\n")
-            pipe.flush()
+            self._pipe.write(b"closed\n")
+            self._pipe.flush()
         except OSError:
             pass  # the guardian already exited
         finally:
-            pipe.close()
-        try:
-            self._proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            log.warning("source guardian %d did not exit after close; killing it", self.pid)
-            self._proc.kill()
-            self._proc.wait(timeout=5.0)
+            self._pipe.close()
 
 
 def start_guardian(server_url: str, token: str | None, source_id: str) -> Guardian:
@@ -87,19 +83,30 @@ def start_guardian(server_url: str, token: str | None, source_id: str) -> Guardi
     Raises:
         OSError: the process could not be started.
     """
-    # Ignored signals stay ignored across exec: the guardian is deaf to SIGINT/SIGTERM
-    # from its first instruction on, not only once Python has started and run _main
-    # (a group signal right after the start would otherwise kill it). A shell does it
-    # rather than preexec_fn, which is unsafe in a process with threads.
-    proc = subprocess.Popen(["/bin/sh", "-c", 'trap "" INT TERM; exec "$0" -m '
-                             'modelexpress.p2p.guardian', sys.executable],
+    # A shell starts the guardian in the background and exits: the guardian is then
+    # nobody's descendant but init's (or the nearest subreaper's). vLLM's shutdown
+    # SIGKILLs its whole process tree, and a guardian in that tree would die with the
+    # worker it guards. ``trap ""`` makes it deaf to SIGINT/SIGTERM from its first
+    # instruction (ignored signals stay ignored across exec; preexec_fn would be unsafe
+    # in a process with threads). An asynchronous command's stdin is /dev/null unless
+    # redirected, hence fd 3. The source id is on the command line so that ``ps``
+    # shows which source a guardian watches; the token is not.
+    script = ('trap "" INT TERM; exec 3<&0; '
+              '"$0" -m modelexpress.p2p.guardian --source-id "$1" <&3 3<&- & exit 0')
+    proc = subprocess.Popen(["/bin/sh", "-c", script, sys.executable, source_id],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             stderr=None, close_fds=True)
     assert proc.stdin is not None
-    proc.stdin.write(json.dumps({"server": server_url, "token": token, "source_id": source_id,
-                                 "pid": os.getpid()}).encode() + b"\n")
-    proc.stdin.flush()
-    return Guardian(proc)
+    pipe = proc.stdin
+    try:
+        pipe.write(json.dumps({"server": server_url, "token": token, "source_id": source_id,
+                               "pid": os.getpid()}).encode() + b"\n")
+        pipe.flush()
+        proc.wait(timeout=10.0)  # the shell only starts the guardian
+    except BaseException:
+        pipe.close()
+        raise
+    return Guardian(pipe, source_id)
 
 
 def _withdraw(server_url: str, token: str | None, source_id: str) -> bool:
@@ -125,6 +132,7 @@ def _withdraw(server_url: str, token: str | None, source_id: str) -> bool:
 def _main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.setsid()  # out of the source's process group and session too
     logging.basicConfig(level=logging.INFO, format="modelexpress guardian %(process)d: %(message)s")
     stdin = sys.stdin.buffer
     try:

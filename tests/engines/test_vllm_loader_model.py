@@ -1,22 +1,21 @@
-"""A tiny vLLM model class, its checkpoint and config; and the tensor collector's tests.
+"""A tiny vLLM model class, its checkpoint and config; the loaded-form and probe tests.
 
 ``MxTinyForCausalLM`` is a real vLLM model class (new-style ``(vllm_config, prefix)``
 constructor, registered through ``vllm.ModelRegistry``) built from vLLM's own layers:
 ``VocabParallelEmbedding``, ``MergedColumnParallelLinear``, ``RowParallelLinear``,
 ``RMSNorm``, loaded by vLLM's ``AutoWeightsLoader`` from a safetensors checkpoint
-through vLLM's ``DefaultModelLoader``. vLLM's Llama class itself cannot be built on
-these CPU machines (its attention layer asks the platform for an attention backend,
-and without vLLM's CPU build there is none), so the tiny model has no attention; it
-does register itself in ``static_forward_context`` and refuse a duplicate name, as
-vLLM's attention layers do. Everything the loader touches (construction, weight
-loading, post-processing) is vLLM's real code.
+through vLLM's ``DefaultModelLoader``. It lets the loader be driven through vLLM's
+loader API alone, without an engine, which also works with vLLM 0.33's GPU build on a
+CPU machine (``test_vllm_033.py``); whole engines are in ``test_vllm_engine_loader.py``.
+The model has no attention; it registers itself in ``static_forward_context`` and
+refuses a duplicate name, as vLLM's attention layers do.
 
 ``_PackedLinear`` imitates what vLLM's quantized and repacking kernels do in
 ``process_weights_after_loading``: the forward reads a repacked weight kept on a
 *kernel object* (``__slots__``), a scale kept as a *plain tensor attribute* of the layer,
 a permutation in a *dict* on the kernel, and the original Parameter is replaced by a
-*transposed view* of its storage. A pull that moves only parameters and buffers leaves
-the forward computing with placeholder values: the tests below show it.
+*transposed view* of its storage. The loader moves the loaded form and lets the target
+post-process it; the tests below show that this rebuilds all of that state.
 
 Other test modules and subprocesses import this file as ``test_vllm_loader_model``
 (``tests/engines`` on ``sys.path``).
@@ -24,6 +23,7 @@ Other test modules and subprocesses import this file as ``test_vllm_loader_model
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import socket
@@ -241,13 +241,18 @@ def build_model(vllm_config, load_format: str):
 
 
 def tensor_checksums(model: nn.Module) -> dict[str, str]:
-    """sha256 of the bytes of every tensor the loader moves, by name."""
+    """sha256 of every parameter, buffer and kernel tensor the post-processed model
+    computes with, by name (what a pull plus local post-processing must reproduce)."""
     import hashlib
 
-    from modelexpress.engines.vllm.tensors import collect_model_tensors
-
+    named = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    for i, layer in enumerate(model.layers):
+        named[f"layers.{i}.packed.kernel.w_t"] = layer.packed.kernel.w_t
+        named[f"layers.{i}.packed.kernel.meta.perm"] = layer.packed.kernel.meta["perm"]
+        named[f"layers.{i}.packed.weight_scale"] = layer.packed.weight_scale
     out = {}
-    for name, tensor in collect_model_tensors(model).items():
+    for name, tensor in named.items():
         data = tensor.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
         out[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
     return out
@@ -259,138 +264,93 @@ def logits(model: nn.Module, tokens: torch.Tensor | None = None) -> torch.Tensor
         return model.compute_logits(model(tokens))
 
 
-# --- collector tests -------------------------------------------------------------------------
+# --- loaded form and probe ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    model_dir = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(model_dir)
-    init_vllm_distributed(make_vllm_config(model_dir))
-    return model_dir
+    path = tmp_path_factory.mktemp("tiny-model")
+    write_checkpoint(path)
+    init_vllm_distributed(make_vllm_config(path))
+    return path
 
 
-def _build(model_dir: pathlib.Path, load_format: str) -> nn.Module:
-    # one VllmConfig per model, as one engine builds one model
-    return build_model(make_vllm_config(model_dir), load_format)
+def _stages(model_dir: pathlib.Path):  # noqa: ANN202
+    """(model, loaded form, finish): vLLM's disk path split where the loader splits it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from modelexpress.engines.vllm.tensors import collect_loaded_tensors
+
+    vc = make_vllm_config(model_dir)
+    loader = get_model_loader(vc.load_config)
+    with set_current_vllm_config(vc), torch.device("cpu"):
+        model = loader.create_model(vllm_config=vc, model_config=vc.model_config)
+
+    def fill_from_disk() -> None:
+        with set_current_vllm_config(vc):
+            loader.load_weights(model, vc.model_config)
+
+    def finish() -> nn.Module:
+        with set_current_vllm_config(vc):
+            process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+        return model.eval()
+
+    return model, fill_from_disk, (lambda: collect_loaded_tensors(model)), finish
 
 
-def _copy_into(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> None:
-    assert dst.keys() == src.keys()
-    for name, tensor in src.items():
-        assert dst[name].dtype == tensor.dtype and dst[name].shape == tensor.shape, name
-        dst[name].copy_(tensor)
+def test_loaded_form_is_every_parameter_and_buffer_once(tiny_dir) -> None:
+    model, fill, loaded_of, finish = _stages(tiny_dir)
+    fill()
+    loaded = loaded_of()
+    expected = {name for name, _ in model.named_parameters()} | {"inv_freq"}
+    assert set(loaded) == expected
+    before = {name: t.clone() for name, t in loaded.items()}
+    finish()
+    # Post-processing replaced or re-viewed parameters (vLLM's CPU build empties the
+    # linear weights; RepackMethod makes a transposed view) but the loaded form the
+    # views hold is intact: a source can still serve it.
+    assert model.layers[0].down.weight.numel() == 0 or model.layers[0].down.weight.is_contiguous()
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, before[name]), name
 
 
-def test_collector_finds_kernel_tensors_and_dedupes_views(tiny_dir) -> None:
-    from modelexpress.engines.vllm.tensors import collect_model_tensors
-
-    model = _build(tiny_dir, "auto")
-    tensors = collect_model_tensors(model)
-    names = list(tensors)
-    # everything the forward reads, including what is not a parameter or buffer
-    for expected in ("embed.weight", "norm.weight", "inv_freq", "layers.0.up.weight",
-                     "layers.1.packed.weight_scale", "layers.1.packed.kernel.w_t",
-                     "layers.1.packed.kernel.meta.perm"):
-        assert expected in names, (expected, names)
-    # the transposed Parameter moves as the raw bytes of its storage
-    packed = tensors["layers.0.packed.weight"]
-    assert packed.dtype == torch.uint8 and packed.numel() == 32 * 32 * 4
-    # one entry per storage, and writing through an entry writes the model
-    ptrs = [t.untyped_storage().data_ptr() for t in tensors.values()]
-    assert len(ptrs) == len(set(ptrs))
-    tensors["layers.1.packed.kernel.w_t"].zero_()
-    assert model.layers[1].packed.kernel.w_t.abs().sum() == 0
-    # two processes running this code name the same memory the same way
-    again = collect_model_tensors(_build(tiny_dir, "dummy"))
-    assert list(again) == names
-
-
-def test_pulling_every_collected_tensor_reproduces_the_output(tiny_dir) -> None:
-    from modelexpress.engines.vllm.tensors import collect_model_tensors
-
-    source = _build(tiny_dir, "auto")
-    target = _build(tiny_dir, "dummy")  # placeholder weights, post-processed
-    assert not torch.allclose(logits(source), logits(target))
-    _copy_into(collect_model_tensors(target), collect_model_tensors(source))
+def test_pulling_the_loaded_form_then_post_processing_reproduces_the_source(tiny_dir) -> None:
+    """Correct by construction: the target rebuilds what post-processing derives (here a
+    kernel object's repacked weight, a scale, a permutation; on CPU, vLLM's oneDNN
+    handles) from the loaded form it pulled, and computes exactly like the source."""
+    source, fill, source_loaded, finish_source = _stages(tiny_dir)
+    fill()
+    loaded = {name: t.clone() for name, t in source_loaded().items()}
+    finish_source()
+    target, _fill, target_loaded, finish_target = _stages(tiny_dir)
+    dest = target_loaded()
+    assert set(dest) == set(loaded)
+    for name, tensor in dest.items():
+        tensor.copy_(loaded[name])  # what the pull does, byte for byte
+    finish_target()
+    assert tensor_checksums(target) == tensor_checksums(source)
     torch.testing.assert_close(logits(target), logits(source), rtol=0, atol=0)
 
 
-def test_parameters_and_buffers_alone_give_silently_wrong_output(tiny_dir) -> None:
-    """The reason the collector walks kernel objects: state_dict() is not enough."""
-    source = _build(tiny_dir, "auto")
-    target = _build(tiny_dir, "dummy")
-    src_state = dict(source.named_parameters()) | dict(source.named_buffers())
-    with torch.no_grad():
-        for name, tensor in list(target.named_parameters()) + list(target.named_buffers()):
-            tensor.copy_(src_state[name])
-    # every parameter and buffer now equals the source, yet the output differs
-    assert not torch.allclose(logits(target), logits(source))
+def test_probe_equal_for_equal_models_and_names_the_first_module_that_differs(tiny_dir) -> None:
+    from modelexpress.engines.vllm.probe import Probe, compare_probes, compute_probe
 
-
-def test_collector_walks_containers_subclasses_and_skips_what_it_must() -> None:
-    from modelexpress.engines.vllm.tensors import collect_model_tensors
-
-    class Holder:
-        def __init__(self) -> None:
-            self.items = [torch.ones(2), (torch.full((3,), 2.0),)]
-            self.by_key = {"a": torch.zeros(4), 7: torch.ones(1), (1, 2): torch.ones(9)}
-            self.unordered = {1, 2}
-            self.back = None  # set to the module below: a cycle
-
-    class Leaf(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(4, 4), requires_grad=True)
-            self.tied = self.weight  # the same Parameter under a second attribute
-            self.view = self.weight.data[1:3]  # a view into the same storage
-            self.holder = Holder()
-            self.holder.back = self
-            self.kv_cache = [torch.zeros(100)]  # excluded by name
-            self.meta_t = torch.empty(5, device="meta")
-            self.empty = torch.empty(0)
-            self.deep = [[[[[[[[torch.ones(1)]]]]]]]]  # beyond max_depth
-
-    root = nn.Module()
-    root.leaf = Leaf()
-    root.alias = root.leaf  # the same module twice in the tree
-    tensors = collect_model_tensors(root)
-    assert list(tensors) == ["leaf.weight", "leaf.holder.items.0", "leaf.holder.items.1.0",
-                             "leaf.holder.by_key.a", "leaf.holder.by_key.7"]
-    weight = tensors["leaf.weight"]
-    assert not weight.requires_grad and weight.data_ptr() == root.leaf.weight.data_ptr()
-    weight.fill_(3.0)  # no autograd error: entries are detached, in-place writes land
-    assert bool((root.leaf.view == 3.0).all())
-    deeper = collect_model_tensors(root, max_depth=12)
-    assert "leaf.deep.0.0.0.0.0.0.0.0" in deeper
-
-
-def test_collector_unwraps_tensor_subclasses() -> None:
-    from modelexpress.engines.vllm.tensors import collect_model_tensors
-
-    class Packed(torch.Tensor):
-        """A wrapper subclass owning no storage (torchao-style)."""
-
-        @staticmethod
-        def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor):
-            return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=torch.float32)
-
-        def __init__(self, qdata: torch.Tensor, scale: torch.Tensor) -> None:
-            self.qdata = qdata
-            self.scale = scale
-
-        def __tensor_flatten__(self):
-            return ["qdata", "scale"], None
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            raise NotImplementedError(f"{func} (the collector must not run ops)")
-
-    layer = nn.Module()
-    layer.weight = Packed(torch.ones(4, 4, dtype=torch.int8), torch.ones(4))
-    tensors = collect_model_tensors(layer)
-    assert list(tensors) == ["weight.qdata", "weight.scale"]
-    assert tensors["weight.qdata"].dtype == torch.int8
-
-
+    a = build_model(make_vllm_config(tiny_dir), "auto")
+    b = build_model(make_vllm_config(tiny_dir), "auto")
+    pa, pb = compute_probe(a), compute_probe(b)
+    # vLLM's linear and embedding layers by output; the rest (norms, the custom packed
+    # layer) by their parameters and buffers
+    assert pa.by_output == 1 + 2 * TINY_CONFIG["num_hidden_layers"]
+    assert Probe.from_json(pa.to_json()) == dataclasses.replace(pa, seconds=0.0)
+    assert compare_probes(pb, Probe.from_json(pa.to_json())).outcome == "match"
+    with torch.no_grad():  # one weight changes after post-processing, as a bad pull would
+        b.layers[1].norm.weight.add_(1e-3)
+    verdict = compare_probes(compute_probe(b), pa, source="src-1")
+    assert verdict.outcome == "mismatch" and not verdict.ok
+    assert verdict.first_difference == "layers.1.norm"
+    other = dataclasses.replace(pa, platform=pa.platform + ";isa=other")
+    assert compare_probes(pb, other).outcome == "incomparable"
+    assert compare_probes(pb, None).outcome == "absent"
 
 
 # --- a source worker process (run by test_vllm_loader.py) ------------------------------------
@@ -403,7 +363,7 @@ def source_main(model_dir: str, corrupt: bool = False, deadline_s: float = 300.0
     print one line (:data:`SOURCE_LINE_PREFIX` + JSON: identity id, logits), then serve
     until stdin says ``stop``.
 
-    With ``corrupt``, one kernel tensor is changed *after* publishing, so its bytes no
+    With ``corrupt``, one served weight is changed *after* publishing, so its bytes no
     longer match the published digest: a target's pull then fails after moving bytes.
     """
     import logging
@@ -425,7 +385,8 @@ def source_main(model_dir: str, corrupt: bool = False, deadline_s: float = 300.0
     report = loader._loader.last_report
     if corrupt:
         with torch.no_grad():
-            model.layers[1].packed.kernel.w_t.add_(1.0)
+            # the Parameter is a transposed view of the served (loaded-form) storage
+            model.layers[1].packed.weight.add_(1.0)
     # NIXL logs to stdout too: the test looks for this prefix
     print(SOURCE_LINE_PREFIX + json.dumps({
         "identity": report.identity.id, "serving": report.serving, "source": report.source,
