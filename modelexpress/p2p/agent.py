@@ -19,7 +19,7 @@ import pathlib
 import shutil
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from modelexpress._closing import Closeable
 from modelexpress.errors import (ConflictError, ControlPlaneError, MxError, NotFoundError,
@@ -30,6 +30,7 @@ from modelexpress.p2p.target import allocate_like, manifest_of, pull
 
 if TYPE_CHECKING:
     from modelexpress.client import MxClient, TransferInfo
+    from modelexpress.settings import MxSettings
 
 __all__ = ["Agent", "AgentOptions"]
 
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class AgentOptions:
-    """How an agent runs transfers (the CLI fills these from MxSettings and flags).
+    """How an agent runs transfers; build it with :meth:`from_settings`.
 
     Attributes:
         device: where received tensors live (``cpu``, ``cuda:1``...).
@@ -52,6 +53,8 @@ class AgentOptions:
         progress_interval_s: minimum time between progress reports to the server.
         max_gbps: cap on the receive rate (0: none); keeps a pull from saturating a
             link shared with serving traffic.
+        refuse_slow_transport: fail a pull whose transport fell back (e.g. VMM memory
+            over TCP) instead of only warning.
         heartbeat_interval_s: heartbeat of fan-out sources.
         poll_wait_s: long-poll wait per request.
     """
@@ -66,8 +69,33 @@ class AgentOptions:
     policy: str = "random"
     progress_interval_s: float = 0.2
     max_gbps: float = 0.0
+    refuse_slow_transport: bool = False
     heartbeat_interval_s: float = 5.0
     poll_wait_s: float = 10.0
+
+    @classmethod
+    def from_settings(cls, settings: "MxSettings", **overrides: Any) -> "AgentOptions":
+        """The options ``settings`` give; ``overrides`` (the CLI's flags) win.
+
+        Every pull setting ``modelexpress pull`` reads is read here too, so a transfer
+        started through the REST API runs like one pulled from the command line
+        (tests/p2p/test_agent_options.py keeps the two in step).
+
+        Raises:
+            TypeError: an override names no field.
+        """
+        values: dict[str, Any] = {
+            "serve_after_pull": settings.serve_after_pull,
+            "timeout_s": settings.transfer_timeout_s,
+            "verify": settings.verify_digests,
+            "chunk_bytes": settings.transfer_chunk_bytes,
+            "max_attempts": settings.max_source_attempts,
+            "policy": settings.source_policy,
+            "max_gbps": settings.transfer_max_gbps,
+            "refuse_slow_transport": settings.refuse_slow_transport,
+            "heartbeat_interval_s": settings.heartbeat_interval_s,
+        }
+        return cls(**{**values, **overrides})
 
 
 class _Reporter:
@@ -204,7 +232,8 @@ class Agent(Closeable):
                           stop=lambda: stop.is_set() or bool(shutdown and shutdown.is_set()),
                           policy=opts.policy, max_attempts=opts.max_attempts,
                           prefer=[transfer.source_id], exclude_workers=own,
-                          chunk_bytes=opts.chunk_bytes)
+                          chunk_bytes=opts.chunk_bytes,
+                          refuse_slow_transport=opts.refuse_slow_transport)
             # the final report carries the data plane's own rate (READ time only)
             reporter.send(result.bytes, total, force=True, rate_bps=result.gbps * 1e9)
         except TransferCancelledError:

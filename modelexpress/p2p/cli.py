@@ -258,14 +258,11 @@ def agent(
     from modelexpress.p2p.agent import Agent, AgentOptions
 
     settings = _settings(server)
-    options = AgentOptions(
-        device=device, out_dir=out,
-        serve_after_pull=settings.serve_after_pull if serve_after is None else serve_after,
-        timeout_s=settings.transfer_timeout_s, verify=settings.verify_digests,
-        chunk_bytes=chunk_bytes or settings.transfer_chunk_bytes,
-        max_attempts=settings.max_source_attempts, policy=settings.source_policy,
-        max_gbps=settings.transfer_max_gbps if max_gbps is None else max_gbps,
-        heartbeat_interval_s=settings.heartbeat_interval_s)
+    flags = {"serve_after_pull": serve_after, "chunk_bytes": chunk_bytes or None,
+             "max_gbps": max_gbps}
+    options = AgentOptions.from_settings(
+        settings, device=device, out_dir=out,
+        **{name: value for name, value in flags.items() if value is not None})
     try:
         with _client(settings) as client, _stop_on_signals() as stop, \
                 Agent(client, agent_id, options) as worker:
