@@ -12,6 +12,7 @@ chunks by contract, so writing into them while closing is the caller's bug.)
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -21,7 +22,16 @@ import pytest
 
 from modelexpress.vmm import ARENA_AVAILABLE
 
-pytestmark = pytest.mark.skipif(not ARENA_AVAILABLE, reason="_alloc_ext is not built")
+
+@pytest.fixture(autouse=True)
+def _needs_the_extension() -> None:
+    """Skip without ``_alloc_ext``; under ``MX_REQUIRE_DEPS=1`` (CI builds it) fail instead."""
+    if ARENA_AVAILABLE:
+        return
+    reason = "_alloc_ext is not built (reinstall modelexpress with a C++ compiler present)"
+    if os.environ.get("MX_REQUIRE_DEPS") == "1":
+        pytest.fail(f"MX_REQUIRE_DEPS=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 _SCRIPT = textwrap.dedent("""
     import ctypes, json, os, random, sys, threading, time
