@@ -145,9 +145,21 @@ class MxClient(ClosedOnCollect):
         token: bearer token (``MX_SERVER_TOKEN``), or None.
         timeout_s: timeout of one HTTP request (connect, read, write each).
         retries: extra attempts after a retryable failure (see module docstring).
-        transport: an httpx transport, for embedding (e.g. ``httpx.ASGITransport``).
+        transport: a synchronous httpx transport (``httpx.BaseTransport``), e.g.
+            ``httpx.MockTransport`` for a fake control plane in tests.
+            ``httpx.ASGITransport`` is async-only and cannot drive this client; to
+            talk to the real app, serve it on loopback (``modelexpress serve``) and pass
+            its URL.
 
     Use as a context manager, or call :meth:`close`.
+
+    Example, against a fake control plane::
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, json={"status": "ok", "store": "fake"})
+
+        with MxClient("http://mx.test", transport=httpx.MockTransport(handler)) as client:
+            assert client.health()["status"] == "ok"
     """
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 10.0,
