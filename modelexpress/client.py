@@ -107,10 +107,15 @@ class TransferInfo:
     updated_at: float
     started_at: float | None
     finished_at: float | None
+    run_by_target: bool = False
+    candidates: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TransferInfo":
-        return cls(**_pick(cls, data))
+        fields = _pick(cls, data)
+        if "candidates" in fields:
+            fields["candidates"] = tuple(fields["candidates"])
+        return cls(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,12 +331,17 @@ class MxClient(ClosedOnCollect):
     # --- transfers ---------------------------------------------------------------
     def start_transfer(self, identity: ModelIdentity | str, target_worker: str, *,
                        source_id: str | None = None,
-                       policy: Literal["random", "spread"] | None = None) -> TransferInfo:
+                       policy: Literal["random", "spread"] | None = None,
+                       run_by_target: bool = False) -> TransferInfo:
         """Start a transfer of ``identity`` to the agent ``target_worker`` (PENDING).
 
         Not retried after the request may have reached the server (it would start a
         second transfer); a ServerUnavailableError here means "unknown": list the
         target's transfers before starting another.
+
+        Args:
+            run_by_target: the calling process runs the pull itself and reports on it
+                (what :func:`modelexpress.p2p.pull` does); no agent claims it.
 
         Raises:
             ConflictError: no READY source (or the named source is not READY).
@@ -341,7 +351,22 @@ class MxClient(ClosedOnCollect):
         return TransferInfo.from_json(self._request(
             "POST", "/v1/transfers", idempotent=False,
             json={"identity_id": ident, "target_worker": target_worker,
-                  "source_id": source_id, "policy": policy}))
+                  "source_id": source_id, "policy": policy,
+                  "run_by_target": run_by_target}))
+
+    def rank_sources(self, identity: ModelIdentity | str, *,
+                     policy: Literal["random", "spread"] | None = None,
+                     exclude_worker: str | None = None) -> list[SourceInfo]:
+        """READY sources of ``identity`` in the order to try them (the server's policy).
+
+        Args:
+            policy: ``random`` or ``spread``; the server's ``MX_SOURCE_POLICY`` when None.
+            exclude_worker: leave this worker's own sources out.
+        """
+        ident = identity.id if isinstance(identity, ModelIdentity) else identity
+        rows = self._request("GET", f"/v1/identities/{ident}/candidates",
+                             params={"policy": policy, "exclude_worker": exclude_worker})
+        return [SourceInfo.from_json(r) for r in rows]
 
     def get_transfer(self, transfer_id: str) -> TransferInfo:
         """One transfer. Raises NotFoundError for an unknown id."""
@@ -356,8 +381,12 @@ class MxClient(ClosedOnCollect):
         return [TransferInfo.from_json(r) for r in rows]
 
     def report_progress(self, transfer_id: str, bytes_done: int, bytes_total: int,
-                        rate_bps: float = 0.0) -> ProgressReply:
+                        rate_bps: float = 0.0, source_id: str | None = None) -> ProgressReply:
         """Report running totals (the first report moves PENDING to RUNNING).
+
+        Args:
+            source_id: the source being read now, when it is not the one the record
+                names (the target moved on to the next candidate).
 
         Returns:
             The record and ``stop``: when true, abort at the next chunk and finish
@@ -368,7 +397,7 @@ class MxClient(ClosedOnCollect):
         """
         data = self._request("POST", f"/v1/transfers/{transfer_id}/progress",
                              json={"bytes_done": bytes_done, "bytes_total": bytes_total,
-                                   "rate_bps": rate_bps})
+                                   "rate_bps": rate_bps, "source_id": source_id})
         return ProgressReply(TransferInfo.from_json(data["transfer"]), bool(data["stop"]))
 
     def finish_transfer(self, transfer_id: str,

@@ -64,8 +64,8 @@ class MxSettings(BaseSettings):
         True, "transfer", "Check every received tensor's digest against the source manifest.")
     transfer_max_gbps: float = _field(
         0.0, "transfer",
-        "Cap on an agent's receive rate in GB/s (0: no cap), so a pull does not saturate a "
-        "link shared with serving traffic.", ge=0)
+        "Cap on a pull's receive rate in GB/s (0: no cap; agent, `modelexpress pull`, vLLM "
+        "loader), so a pull does not saturate a link shared with serving traffic.", ge=0)
     refuse_slow_transport: bool = _field(
         False, "transfer",
         "Fail a transfer whose rate is far below its transport's expected floor "

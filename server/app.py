@@ -9,6 +9,7 @@ GET      /v1/sources                           list (filters: model, revision, s
 GET      /v1/sources/{id}                      one source with manifest + agent metadata
 POST     /v1/sources/{id}/heartbeat            alive (optionally READY / STALE)
 DELETE   /v1/sources/{id}                      remove
+GET      /v1/identities/{id}/candidates        READY sources in the order to try them
 POST     /v1/transfers                         start (server picks a READY source if none)
 GET      /v1/transfers[/{id}]                  list / show
 POST     /v1/transfers/{id}/progress           worker totals; reply says ``stop``
@@ -43,7 +44,7 @@ import contextlib
 import hmac
 import logging
 import time
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -323,12 +324,24 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
         cp.delete_source(source_id)
         return Response(status_code=204)
 
+    @app.get("/v1/identities/{identity_id}/candidates", response_model=list[SourceOut],
+             tags=["sources"])
+    def candidates(
+        identity_id: Annotated[str, Path(pattern=_IDENT)],
+        policy: Literal["random", "spread"] | None = None,
+        exclude_worker: Annotated[str | None, Query(pattern=_WORKER)] = None,
+    ) -> Any:
+        """READY sources of an identity in the order a target should try them (the
+        server's selection policy; default MX_SOURCE_POLICY)."""
+        return cp.rank_sources(identity_id, exclude_worker, policy)
+
     # --- transfers ---------------------------------------------------------------
     @app.post("/v1/transfers", response_model=TransferOut, status_code=201, tags=["transfers"])
     def create_transfer(body: TransferCreate) -> Any:
         """Start a transfer; it is PENDING until the target agent claims and runs it."""
         rec = cp.create_transfer(body.identity_id, body.target_worker,
-                                 source_id=body.source_id, policy=body.policy)
+                                 source_id=body.source_id, policy=body.policy,
+                                 run_by_target=body.run_by_target)
         wakeup.notify()
         return rec
 
@@ -352,7 +365,8 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
     async def progress(transfer_id: TransferPath, body: ProgressIn) -> Any:
         """Worker totals. ``stop: true`` in the reply: abort at the next chunk and
         finish with STOPPED."""
-        rec = cp.progress(transfer_id, body.bytes_done, body.bytes_total, body.rate_bps)
+        rec = cp.progress(transfer_id, body.bytes_done, body.bytes_total, body.rate_bps,
+                          source_id=body.source_id)
         return {"transfer": rec, "stop": rec["state"] == TransferState.STOPPING.value}
 
     @app.post("/v1/transfers/{transfer_id}/finish", response_model=TransferOut,

@@ -141,6 +141,9 @@ class TransferCreate(_Model):
     source_id: EntityId | None = Field(None, description="Omit to let the server pick a READY source.")
     policy: Literal["random", "spread"] | None = Field(
         None, description="How to pick a source when none is given (default: MX_SOURCE_POLICY).")
+    run_by_target: bool = Field(
+        False, description="The target process runs the pull itself (library, CLI, vLLM "
+                           "loader) and reports on it; no agent claims the transfer.")
 
 
 class TransferOut(_Out):
@@ -164,6 +167,11 @@ class TransferOut(_Out):
     updated_at: float
     started_at: float | None
     finished_at: float | None
+    run_by_target: bool = False
+    candidates: list[str] = Field(
+        default_factory=list,
+        description="READY sources in the order the target should try them, chosen "
+                    "source first (fixed when the transfer was created).")
 
 
 class ProgressIn(_Model):
@@ -172,6 +180,9 @@ class ProgressIn(_Model):
     bytes_done: Count
     bytes_total: Count
     rate_bps: Annotated[float, Field(ge=0, le=1e15, allow_inf_nan=False)] = 0.0
+    source_id: EntityId | None = Field(
+        None, description="The source being read now, when the target moved on from the "
+                          "one the record names.")
 
     @model_validator(mode="after")
     def _bounded(self) -> "ProgressIn":

@@ -169,21 +169,39 @@ class ControlPlane:
         log.info("source %s deleted", source_id)
 
     # --- transfers -----------------------------------------------------------
-    def _pick_source(self, identity_id: str, target_worker: str, policy: str) -> Record:
+    def rank_sources(self, identity_id: str, target_worker: str | None,
+                     policy: str | None = None) -> list[Record]:
+        """READY sources of ``identity_id`` in the order a target should try them.
+
+        The one selection policy of the product: agents, library and CLI pulls and the
+        vLLM loader all take this order. ``random`` shuffles; ``spread`` puts the sources
+        with the fewest live transfers (PENDING, RUNNING, STOPPING; every kind of pull
+        has a record) first, random among ties. The target's own sources are left out.
+
+        Raises:
+            ValidationError: unknown policy.
+        """
+        policy = policy or self.default_policy
+        if policy not in ("random", "spread"):
+            raise ValidationError(f"unknown source policy {policy!r}; allowed: random, spread")
         ready = [s for s in self.list_sources(identity_id=identity_id, state=_S.READY)
-                 if s["worker_id"] != target_worker]
-        if not ready:
-            raise ConflictError(
-                f"no READY source for identity {identity_id} other than the target "
-                f"{target_worker}; publish one or wait for a source to become READY")
+                 if target_worker is None or s["worker_id"] != target_worker]
+        self._rng.shuffle(ready)
         if policy == "spread":
             load: dict[str, int] = {}
             for t in self.store.list("transfers"):
                 if t["state"] in {s.value for s in LIVE}:
                     load[t["source_id"]] = load.get(t["source_id"], 0) + 1
-            least = min(load.get(s["id"], 0) for s in ready)
-            ready = [s for s in ready if load.get(s["id"], 0) == least]
-        return self._rng.choice(ready)
+            ready.sort(key=lambda s: load.get(s["id"], 0))  # stable: random among ties
+        return ready
+
+    def _pick_source(self, identity_id: str, target_worker: str, policy: str) -> Record:
+        ranked = self.rank_sources(identity_id, target_worker, policy)
+        if not ranked:
+            raise ConflictError(
+                f"no READY source for identity {identity_id} other than the target "
+                f"{target_worker}; publish one or wait for a source to become READY")
+        return ranked[0]
 
     def _check_source(self, source_id: str, identity_id: str) -> Record:
         src = self.get_source(source_id)
@@ -195,26 +213,42 @@ class ControlPlane:
         return src
 
     def create_transfer(self, identity_id: str, target_worker: str, *,
-                        source_id: str | None = None, policy: str | None = None) -> Record:
+                        source_id: str | None = None, policy: str | None = None,
+                        run_by_target: bool = False) -> Record:
         """Start a transfer (PENDING) of ``identity_id`` to ``target_worker``.
+
+        Args:
+            run_by_target: the target process runs the pull itself (library, CLI,
+                vLLM loader): the record is born claimed, so no agent picks it up.
+
+        Returns:
+            The record; ``candidates`` lists the READY sources in the order to try
+            (the chosen ``source_id`` first).
 
         Raises:
             NotFoundError: the named source does not exist.
             ConflictError: no READY source (or the named one is not READY / serves
                 another identity).
         """
+        ranked = self.rank_sources(identity_id, target_worker, policy)
         if source_id is not None:
             src = self._check_source(source_id, identity_id)
+        elif ranked:
+            src = ranked[0]
         else:
-            src = self._pick_source(identity_id, target_worker, policy or self.default_policy)
+            raise ConflictError(
+                f"no READY source for identity {identity_id} other than the target "
+                f"{target_worker}; publish one or wait for a source to become READY")
+        candidates = [src["id"]] + [s["id"] for s in ranked if s["id"] != src["id"]]
         now = self.clock()
         record = {
             "id": uuid.uuid4().hex, "identity_id": identity_id, "target_worker": target_worker,
             "source_id": src["id"], "source_worker": src["worker_id"],
             "source_endpoint": src["endpoint"], "state": _T.PENDING.value,
             "bytes_done": 0, "bytes_total": 0, "rate_bps": 0.0, "error": None,
-            "stop_requested": False, "claimed": False, "restarts": 0,
+            "stop_requested": False, "claimed": run_by_target, "restarts": 0,
             "created_at": now, "updated_at": now, "started_at": None, "finished_at": None,
+            "run_by_target": run_by_target, "candidates": candidates,
         }
         self.store.create("transfers", record)
         log.info("transfer %s created: %s from %s to %s", record["id"], identity_id,
@@ -245,21 +279,30 @@ class ControlPlane:
             raise NotFoundError(f"transfer {transfer_id} not found") from None
 
     def progress(self, transfer_id: str, bytes_done: int, bytes_total: int,
-                 rate_bps: float) -> Record:
+                 rate_bps: float, source_id: str | None = None) -> Record:
         """Record progress; PENDING becomes RUNNING. The caller checks ``stop_requested``.
+
+        Args:
+            source_id: the source the target reads from now, when it moved on from
+                the one the record names (a failed source, the next candidate).
 
         Raises:
             ConflictError: the transfer is finished (SUCCEEDED/FAILED/STOPPED).
+            NotFoundError: unknown transfer or ``source_id``.
         """
         now = self.clock()
+        src = self.get_source(source_id) if source_id is not None else None
 
         def step(t: Record) -> Record:
             old = _T(t["state"])
             new = _T.STOPPING if old is _T.STOPPING else _T.RUNNING
             check_transfer_move(transfer_id, old, new)
+            moved = {} if src is None else {"source_id": src["id"],
+                                            "source_worker": src["worker_id"],
+                                            "source_endpoint": src["endpoint"]}
             return {**t, "state": new.value, "bytes_done": bytes_done,
                     "bytes_total": bytes_total, "rate_bps": rate_bps, "updated_at": now,
-                    "claimed": True, "started_at": t["started_at"] or now}
+                    "claimed": True, "started_at": t["started_at"] or now, **moved}
 
         return self._move(transfer_id, step)
 
@@ -318,6 +361,10 @@ class ControlPlane:
             ConflictError: the transfer is not STOPPED/FAILED, or no READY source.
         """
         current = self.get_transfer(transfer_id)
+        if current.get("run_by_target"):
+            raise ConflictError(f"transfer {transfer_id} was run by its target process "
+                                f"({current['target_worker']}), not by an agent: nothing "
+                                "would pick it up again; run that pull again instead")
         try:
             src = self._check_source(current["source_id"], current["identity_id"])
         except (NotFoundError, ConflictError):

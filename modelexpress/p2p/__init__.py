@@ -5,7 +5,7 @@ Importing this package does not import torch or NIXL; they load on first use.
 
 from __future__ import annotations
 
-from modelexpress.p2p.selection import POLICIES, order_sources
+from modelexpress.p2p.selection import POLICIES
 from modelexpress.p2p.source import SourceHandle, default_worker_id, serve_source
 from modelexpress.p2p.target import PullResult, SkippedSource, allocate_like, manifest_of, pull
 
@@ -17,7 +17,6 @@ __all__ = [
     "allocate_like",
     "default_worker_id",
     "manifest_of",
-    "order_sources",
     "pull",
     "serve_source",
 ]

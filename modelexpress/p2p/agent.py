@@ -233,7 +233,8 @@ class Agent(Closeable):
                           policy=opts.policy, max_attempts=opts.max_attempts,
                           prefer=[transfer.source_id], exclude_workers=own,
                           chunk_bytes=opts.chunk_bytes,
-                          refuse_slow_transport=opts.refuse_slow_transport)
+                          refuse_slow_transport=opts.refuse_slow_transport,
+                          track=False)  # the REST-started transfer is this pull's record
             # the final report carries the data plane's own rate (READ time only)
             reporter.send(result.bytes, total, force=True, rate_bps=result.gbps * 1e9)
         except TransferCancelledError:

@@ -202,6 +202,7 @@ def pull(
                                  max_attempts=settings.max_source_attempts, stripe=stripe,
                                  chunk_bytes=settings.transfer_chunk_bytes,
                                  refuse_slow_transport=settings.refuse_slow_transport,
+                                 max_gbps=settings.transfer_max_gbps,
                                  on_destination=holder.update)
             files = save_checkpoint(holder, out)
     except MxError as exc:
@@ -211,7 +212,7 @@ def pull(
                f"pulled {result.bytes / 1e9:.3f} GB ({result.tensors} tensors) from "
                f"{', '.join(result.source_ids)} in {result.seconds:.2f} s "
                f"({result.gbps:.2f} GB/s over {result.transport}); wrote {len(files)} file(s) "
-               f"to {out}")
+               f"to {out}; transfer {result.transfer_id}")
 
 
 def _resolve_identity(client: Any, model: str, revision: str, dtype: str | None,

@@ -14,14 +14,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from modelexpress.errors import (ConfigError, ManifestMismatchError, MxError, NoSourceError,
+from modelexpress.errors import (ConfigError, ConflictError, ControlPlaneError,
+                                 ManifestMismatchError, MxError, NoSourceError,
                                  TransferCancelledError, TransferError, TransferTimeoutError)
-from modelexpress.p2p.selection import order_sources, source_load
 
 if TYPE_CHECKING:
     import torch
 
-    from modelexpress.client import MxClient, SourceInfo
+    from modelexpress.client import MxClient, SourceInfo, TransferInfo
     from modelexpress.identity import ModelIdentity
     from modelexpress.transfer import Manifest, NixlTransferManager, StopSignal
 
@@ -64,6 +64,8 @@ class PullResult:
             4 KiB READ; in ``total_seconds``, not in ``seconds``).
         source_attributes: source id -> the ``attributes`` its manifest published
             (facts for the caller to check, e.g. the vLLM loader's probe).
+        transfer_id: the control plane's record of this pull (None when the caller
+            keeps its own, ``track=False``).
     """
 
     source_ids: tuple[str, ...]
@@ -81,6 +83,7 @@ class PullResult:
     connect_seconds: float = 0.0
     source_attributes: Mapping[str, Mapping[str, object]] = dataclasses.field(
         default_factory=dict)
+    transfer_id: str | None = None
 
     def to_dict(self) -> dict[str, object]:
         """JSON-able form (for ``--json`` output)."""
@@ -165,13 +168,61 @@ def _stripes(manifest: "Manifest", names: Sequence[str], n: int) -> list[list[st
     return [s for s in out if s]
 
 
+class _Tracker:
+    """This pull's transfer record: progress (rate-limited), stop from the REST API, finish.
+
+    A control-plane error while reporting never fails the pull: the data plane goes
+    on, and only what operators see lags.
+    """
+
+    def __init__(self, client: "MxClient", record: "TransferInfo", interval_s: float) -> None:
+        self.client = client
+        self.id = record.id
+        self.interval_s = interval_s
+        self.stop_requested = threading.Event()
+        self.reading: str | None = None  # the source being read
+        self._named = record.source_id   # the source the record names
+        self._last = 0.0
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def report(self, done: int, total: int, force: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._last < self.interval_s:
+                return
+            self._last = now
+            moved = self.reading if self.reading not in (None, self._named) else None
+        try:
+            reply = self.client.report_progress(
+                self.id, done, total, done / max(now - self._started, 1e-9), source_id=moved)
+        except ControlPlaneError as exc:
+            log.warning("progress report for transfer %s failed: %s", self.id, exc)
+            return
+        if moved is not None:
+            self._named = moved
+        if reply.stop and not self.stop_requested.is_set():
+            log.info("transfer %s: stop requested through the control plane; stopping at "
+                     "the next chunk", self.id)
+            self.stop_requested.set()
+
+    def finish(self, state: str, error: str | None = None, done: int | None = None) -> None:
+        try:
+            if state == "STOPPED" and not self.stop_requested.is_set():
+                self.client.stop_transfer(self.id)  # the caller stopped it: say so first
+            self.client.finish_transfer(self.id, state, error=error, bytes_done=done)
+        except MxError as exc:
+            log.warning("could not record transfer %s as %s: %s", self.id, state, exc)
+
+
 class _Puller:
     """One pull: sources to try, the manager, the destination, bookkeeping."""
 
     def __init__(self, *, client: "MxClient", manager: "NixlTransferManager",
                  dest: Mapping[str, "torch.Tensor"], allow_partial: bool, verify: bool,
                  deadline: _Deadline, progress: ProgressFn | None, stop: "StopSignal | None",
-                 chunk_bytes: int, refuse_slow_transport: bool, max_gbps: float = 0.0) -> None:
+                 chunk_bytes: int, refuse_slow_transport: bool, max_gbps: float = 0.0,
+                 tracker: _Tracker | None = None) -> None:
         self.client = client
         self.manager = manager
         self.dest = dest
@@ -188,6 +239,7 @@ class _Puller:
         self.total = 0
         self._max_bps = max_gbps * 1e9
         self._rate_start: float | None = None
+        self.tracker = tracker
 
     def _report(self, key: str, done: int) -> None:
         with self._lock:
@@ -206,11 +258,14 @@ class _Puller:
         if self._max_bps <= 0 or self._rate_start is None:
             return
         ahead = total_done / self._max_bps - (time.monotonic() - self._rate_start)
-        ahead = min(ahead, self.deadline.end - time.monotonic())
-        end = time.monotonic() + ahead
-        while ahead > 0 and not _stopped(self.stop):
-            time.sleep(min(ahead, 0.05))
-            ahead = end - time.monotonic()
+        remaining = self.deadline.end - time.monotonic()
+        end = time.monotonic() + min(ahead, remaining)
+        while time.monotonic() < end and not _stopped(self.stop):
+            time.sleep(min(end - time.monotonic(), 0.05))
+        if ahead > remaining and not _stopped(self.stop):
+            raise TransferTimeoutError(
+                f"pull deadline of {self.deadline.seconds:.0f} s ran out with the receive "
+                f"rate capped at {self._max_bps / 1e9:g} GB/s (MX_TRANSFER_MAX_GBPS)")
 
     def read_from(self, info: "SourceInfo", manifest: "Manifest",
                   dest: Mapping[str, "torch.Tensor"], key: str, allow_partial: bool):  # noqa: ANN201
@@ -218,6 +273,8 @@ class _Puller:
         assert info.agent_metadata is not None
         if self._rate_start is None:
             self._rate_start = time.monotonic()
+        if self.tracker is not None:
+            self.tracker.reading = info.id
         peer = self.manager.add_peer(info.agent_metadata)
         try:
             return self.manager.read(
@@ -235,8 +292,11 @@ class _Puller:
             self.manager.remove_peer(peer)
 
     def skip(self, info: "SourceInfo", reason: str) -> None:
-        log.warning("skipping source %s (worker %s): %s", info.id, info.worker_id, reason)
-        self.skipped.append(SkippedSource(info.id, info.worker_id, reason))
+        self.skip_id(info.id, reason, info.worker_id)
+
+    def skip_id(self, source_id: str, reason: str, worker_id: str = "?") -> None:
+        log.warning("skipping source %s (worker %s): %s", source_id, worker_id, reason)
+        self.skipped.append(SkippedSource(source_id, worker_id, reason))
 
 
 def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = None, *,
@@ -248,7 +308,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
          manager: "NixlTransferManager | None" = None, chunk_bytes: int = 1 << 30,
          refuse_slow_transport: bool = False, on_destination: Callable[
              [Mapping[str, "torch.Tensor"]], None] | None = None,
-         max_gbps: float = 0.0) -> PullResult:
+         max_gbps: float = 0.0, track: bool = True, worker_id: str | None = None,
+         progress_interval_s: float = 0.5) -> PullResult:
     """Pull the weights of ``identity`` from READY sources into ``dest``.
 
     Args:
@@ -278,6 +339,14 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         on_destination: called with the destination tensors before any byte moves.
         max_gbps: cap on the receive rate in GB/s, enforced between chunks (0: none;
             ``MX_TRANSFER_MAX_GBPS``).
+        track: make this pull a transfer the control plane knows: a record created for
+            it (run by this process), the server's order of candidate sources, progress
+            reports, a stop through the REST API honoured at the next chunk, and the
+            outcome recorded. An agent, whose transfers already have a record, passes
+            False (the server's order of candidates is used either way).
+        worker_id: this process's worker id in that record (default
+            ``pull-<host>-<pid>-<random>``); its own sources are never candidates.
+        progress_interval_s: at most one progress report per this many seconds.
 
     Returns:
         A :class:`PullResult`.
@@ -301,34 +370,53 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             raise ConfigError("pull needs client= (an MxClient) or server= (the control-plane URL)")
         from modelexpress.client import MxClient
         client = own_client = MxClient(server, token=token)
+    tracker: _Tracker | None = None
     try:
         started = time.monotonic()
         deadline = _Deadline(timeout_s)
-        candidates = [s for s in client.list_sources(identity=identity, state="READY")
-                      if s.worker_id not in set(exclude_workers)]
-        if not candidates:
+        candidate_ids, tracker = _candidates(client, identity, policy=policy, track=track,
+                                             worker_id=worker_id,
+                                             interval_s=progress_interval_s)
+        by_preference = ([i for i in prefer if i in candidate_ids]
+                         + [i for i in candidate_ids if i not in set(prefer)])
+        if not by_preference:
             raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
                                 f"rank {identity.rank}) on the control plane")
-        load = source_load(client, identity) if policy == "spread" else {}
-        ordered = order_sources(candidates, policy, load=load, prefer=prefer)
+
+        user_stop = stop
+        stop_signal = stop if tracker is None else (
+            lambda: _stopped(user_stop) or tracker.stop_requested.is_set())
+
+        def report(done: int, total: int) -> None:
+            if progress is not None:
+                progress(done, total)
+            if tracker is not None:
+                tracker.report(done, total)
 
         owns = manager is None
         mgr = manager or NixlTransferManager()
         puller = _Puller(client=client, manager=mgr, dest=dest or {}, allow_partial=allow_partial,
-                         verify=verify, deadline=deadline, progress=progress, stop=stop,
+                         verify=verify, deadline=deadline, progress=report, stop=stop_signal,
                          chunk_bytes=chunk_bytes, refuse_slow_transport=refuse_slow_transport,
-                         max_gbps=max_gbps)
+                         max_gbps=max_gbps, tracker=tracker)
         try:
             # Fetch manifests lazily: a source may vanish between list and get.
             fetched: list[tuple["SourceInfo", "Manifest"]] = []
-            for info in ordered:
+            excluded = set(exclude_workers)
+            for source_id in by_preference:
                 if len(fetched) >= max(stripe, max_attempts):
                     break
                 try:
-                    full = client.get_source(info.id)
+                    full = client.get_source(source_id)
+                except MxError as exc:
+                    puller.skip_id(source_id, f"could not fetch its manifest: {exc}")
+                    continue
+                if full.worker_id in excluded:
+                    continue
+                try:
                     fetched.append((full, manifest_of(full)))
                 except MxError as exc:
-                    puller.skip(info, f"could not fetch its manifest: {exc}")
+                    puller.skip(full, f"unusable manifest: {exc}")
             if not fetched:
                 raise NoSourceError(_no_source_message(identity, puller.skipped))
             attributes = {info.id: manifest.attributes for info, manifest in fetched}
@@ -337,10 +425,23 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
                 puller.dest = dest
             if on_destination is not None:
                 on_destination(dest)
-            # Validate against every candidate before any byte moves.
+            # Validate every candidate before any byte moves. A source whose tensors do
+            # not fit the destination (another checkpoint published under the same
+            # identity) is skipped with the reason, not allowed to fail the pull.
+            usable, plans, mismatch = [], [], None
             for info, manifest in fetched:
-                plan = mgr.plan(manifest, dest, allow_partial=allow_partial)
-            puller.total = plan.total_bytes
+                try:
+                    plans.append(mgr.plan(manifest, dest, allow_partial=allow_partial))
+                except ManifestMismatchError as exc:
+                    puller.skip(info, f"its tensors do not match the destination: {exc}")
+                    mismatch = mismatch or exc
+                    continue
+                usable.append((info, manifest))
+            if not usable:
+                assert mismatch is not None
+                raise mismatch
+            fetched = usable
+            puller.total = plans[0].total_bytes
             if owns:
                 # Register once up front: striped READs run in parallel threads and must
                 # not race to register the same destination memory.
@@ -366,15 +467,50 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             total_seconds=time.monotonic() - started,
             verify_seconds=sum(r.verify_seconds for _, r in results),
             connect_seconds=max(r.connect_seconds for _, r in results),
-            source_attributes={info.id: attributes[info.id] for info, _ in results})
+            source_attributes={info.id: attributes[info.id] for info, _ in results},
+            transfer_id=tracker.id if tracker is not None else None)
         log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s)%s",
                  identity.model, out.bytes, out.tensors, ",".join(out.source_ids), out.seconds,
                  out.gbps, out.transport,
                  f"; skipped {len(out.skipped)} source(s)" if out.skipped else "")
+        if tracker is not None:
+            tracker.report(out.bytes, out.bytes, force=True)
+            tracker.finish("SUCCEEDED", done=out.bytes)
         return out
+    except TransferCancelledError:
+        if tracker is not None:
+            tracker.finish("STOPPED")
+        raise
+    except BaseException as exc:
+        if tracker is not None:
+            tracker.finish("FAILED", error=f"{type(exc).__name__}: {exc}"[:8000])
+        raise
     finally:
         if own_client is not None:
             own_client.close()
+
+
+def _candidates(client: "MxClient", identity: "ModelIdentity", *, policy: str, track: bool,
+                worker_id: str | None,
+                interval_s: float) -> tuple[list[str], "_Tracker | None"]:
+    """Source ids in the server's order and, with ``track``, this pull's record."""
+    from modelexpress.p2p.selection import POLICIES
+
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown source policy {policy!r}; allowed: {', '.join(POLICIES)}")
+    if not track:
+        return [s.id for s in client.rank_sources(identity, policy=policy)], None
+    from modelexpress.p2p.source import default_worker_id
+
+    try:
+        record = client.start_transfer(identity, worker_id or default_worker_id("pull"),
+                                       policy=policy, run_by_target=True)
+    except ConflictError as exc:
+        raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
+                            f"rank {identity.rank}): {exc}") from exc
+    log.info("pull of %s is transfer %s (%d candidate sources)", identity.model, record.id,
+             len(record.candidates))
+    return list(record.candidates), _Tracker(client, record, interval_s)
 
 
 def _no_source_message(identity: "ModelIdentity", skipped: Sequence[SkippedSource]) -> str:

@@ -86,3 +86,17 @@ def cluster(tmp_path: pathlib.Path) -> Iterator[Cluster]:
     finally:
         c.close()
         server.stop()
+
+
+@pytest.fixture
+def patient_cluster(tmp_path: pathlib.Path) -> Iterator[Cluster]:
+    """A fresh SQLite server that times sources out only after 600 s: a source found
+    STALE sooner was withdrawn (by itself or its guardian), not timed out."""
+    server = ServerProc(f"sqlite:///{tmp_path / 'mx.db'}", tmp_path,
+                        env={"MX_STALE_AFTER_S": "600"}).start()
+    c = Cluster(server, tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+        server.stop()

@@ -8,33 +8,13 @@ itself), not by the server.
 from __future__ import annotations
 
 import os
-import pathlib
 import signal
-import sys
 import time
-from collections.abc import Iterator
 
 import psutil
 import pytest
 
-from conftest import Cluster
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "server"))
-from mx_server_procs import ServerProc  # noqa: E402
-
 pytestmark = pytest.mark.nixl
-
-
-@pytest.fixture
-def patient_cluster(tmp_path: pathlib.Path) -> Iterator[Cluster]:
-    server = ServerProc(f"sqlite:///{tmp_path / 'mx.db'}", tmp_path,
-                        env={"MX_STALE_AFTER_S": "600"}).start()
-    c = Cluster(server, tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-        server.stop()
 
 
 def _guardians(source_id: str) -> list[psutil.Process]:
@@ -58,7 +38,7 @@ def _guardian_of(source_id: str, source_pid: int) -> psutil.Process:
     return guardian
 
 
-def test_sigkilled_source_is_marked_stale_by_its_guardian(patient_cluster: Cluster) -> None:
+def test_sigkilled_source_is_marked_stale_by_its_guardian(patient_cluster) -> None:
     proc, line = patient_cluster.source("killed")
     source_id = line["source_id"]
     guardian = _guardian_of(source_id, proc.proc.pid)
@@ -72,7 +52,7 @@ def test_sigkilled_source_is_marked_stale_by_its_guardian(patient_cluster: Clust
 
 
 def test_guardian_ignores_group_signals_until_its_source_is_gone(
-        patient_cluster: Cluster) -> None:
+        patient_cluster) -> None:
     proc, line = patient_cluster.source("grouped")
     guardian = _guardian_of(line["source_id"], proc.proc.pid)
     guardian.send_signal(signal.SIGTERM)  # as a pod's termination would
@@ -86,7 +66,7 @@ def test_guardian_ignores_group_signals_until_its_source_is_gone(
         "the guardian to act after its source was killed", deadline_s=15.0)
 
 
-def test_clean_stop_withdraws_once_and_the_guardian_exits(patient_cluster: Cluster) -> None:
+def test_clean_stop_withdraws_once_and_the_guardian_exits(patient_cluster) -> None:
     proc, line = patient_cluster.source("clean")
     guardian = _guardian_of(line["source_id"], proc.proc.pid)
     assert proc.stop() == 0

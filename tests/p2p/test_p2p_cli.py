@@ -48,7 +48,9 @@ def test_cli_sources_pull_and_rest_transfer(cluster: Cluster, tmp_path: pathlib.
     assert code == 0 and transfer["state"] == "SUCCEEDED"
     assert transfer["bytes_done"] == transfer["bytes_total"] > 0
     code, listed = _cli(cluster, "transfers", "list", "--state", "SUCCEEDED")
-    assert code == 0 and [t["id"] for t in listed["transfers"]] == [transfer["id"]]
+    # every pull is a transfer the server knows: the CLI pull's, then the agent's
+    assert code == 0 and [t["id"] for t in listed["transfers"]] == [result["transfer_id"],
+                                                                     transfer["id"]]
     code, stopped = _cli(cluster, "transfers", "stop", transfer["id"])
     assert code == 1 and not stopped["ok"] and "ConflictError" in stopped["error"]
 
