@@ -158,6 +158,7 @@ class MxModelLoader(BaseModelLoader):
                                         model_loader_extra_config=rest)
         self._fallback = get_model_loader(self._fallback_config)
         self.last_report: LoadReport | None = None
+        self._nixl: _EarlyManager | None = None
 
     # --- BaseModelLoader ----------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -198,6 +199,7 @@ class MxModelLoader(BaseModelLoader):
         identity = identity_from_vllm(vllm_config, model_config,
                                       extra=self.options.identity_extra)
         report = LoadReport(identity=identity)
+        self._nixl = _EarlyManager(device) if (self.options.pull or self.options.serve) else None
         with _vllm_config_context(vllm_config), set_default_torch_dtype(model_config.dtype), \
                 maybe_enter_vmm_arena(self._arena_wanted(device), device=device.index or 0,
                                       total_bytes=self.options.vmm_arena_bytes) as arena:
@@ -207,6 +209,8 @@ class MxModelLoader(BaseModelLoader):
             model, loaded = self._load(vllm_config, model_config, prefix, device, report)
         report.seconds = time.perf_counter() - start
         report.serving = self._maybe_serve(model, identity, report, loaded, arena)
+        if not report.serving and self._nixl is not None:
+            self._nixl.close()  # nothing serves: no idle agent for the process's lifetime
         self.last_report = report
         logger.info("modelexpress: %s rank %d loaded from %s in %.2f s (weights %.3f s, "
                     "post-processing %.3f s, probe %.3f s)%s%s", model_config.model,
@@ -279,7 +283,7 @@ class MxModelLoader(BaseModelLoader):
                             len(ready))
                 attempt.touched = True
                 t0 = time.perf_counter()
-                result = pull(identity, tensors, client=client,
+                result = pull(identity, tensors, client=client, manager=self._manager(),
                               timeout_s=self.options.pull_timeout_s, verify=self.options.verify,
                               policy=settings.source_policy,
                               max_attempts=settings.max_source_attempts,
@@ -307,11 +311,13 @@ class MxModelLoader(BaseModelLoader):
             return None
         report.source = "peer"
         logger.info("modelexpress: pulled %s rank %d from %s: %d tensors, %.3f GB in %.3f s "
-                    "(%.2f GB/s, %s, digests %s, probe %s)", model_config.model,
-                    identity.rank, ",".join(result.source_ids), result.tensors,
-                    result.bytes / 1e9, result.seconds, result.gbps, result.transport,
-                    "verified" if result.verified else "not checked",
-                    report.probe.outcome if report.probe is not None else "off")
+                    "(%.2f GB/s, %s, digests %s, probe %s); the pull took %.3f s: %s",
+                    model_config.model, identity.rank, ",".join(result.source_ids),
+                    result.tensors, result.bytes / 1e9, result.seconds, result.gbps,
+                    result.transport, "verified" if result.verified else "not checked",
+                    report.probe.outcome if report.probe is not None else "off",
+                    result.total_seconds,
+                    ", ".join(f"{k} {v:.3f} s" for k, v in result.phases.items()))
         return loaded
 
     def _finish(self, model: nn.Module, model_config: ModelConfig, device: torch.device,
@@ -395,6 +401,7 @@ class MxModelLoader(BaseModelLoader):
             if loaded.probe is not None:
                 attributes[_probe.ATTRIBUTE] = loaded.probe.to_json()
             handle = serve_source(identity, loaded.tensors, client=client, arena=arena,
+                                  manager=self._manager(),
                                   heartbeat_interval_s=self._settings.heartbeat_interval_s,
                                   single_region=self._settings.arena_single_mr,
                                   digest_algorithm=loaded.digest_algorithm,
@@ -434,12 +441,58 @@ class MxModelLoader(BaseModelLoader):
             return False
         return self.options.vmm_arena
 
+    def _manager(self) -> Any:
+        """The NIXL manager created while the model was being built (None: make one)."""
+        return self._nixl.get() if self._nixl is not None else None
+
     def _client(self) -> "MxClient":
         from modelexpress.client import MxClient
 
         return MxClient(self.options.server_url, token=self.options.server_token,
                         timeout_s=self.options.client_timeout_s,
                         retries=self.options.client_retries)
+
+
+class _EarlyManager:
+    """A NIXL manager created in a background thread while vLLM builds the model.
+
+    Creating a NIXL agent (UCX contexts, workers, transports) takes a fixed time per
+    process that would otherwise be paid inside the pull, on the load's critical path;
+    building the model does not need it. The same manager then serves the weights
+    (its registrations are reused), so a process creates one agent, not two.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._manager: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._create, args=(device,), daemon=True,
+                                        name="mx-nixl-agent")
+        self._thread.start()
+
+    def _create(self, device: torch.device) -> None:
+        try:
+            if device.type == "cuda":
+                # The current CUDA device is per thread; NIXL creates its context on it.
+                torch.cuda.set_device(device)
+            from modelexpress.transfer import NixlTransferManager
+
+            self._manager = NixlTransferManager()
+        except BaseException as exc:  # noqa: BLE001 - re-raised where the manager is used
+            self._error = exc
+
+    def get(self) -> Any:
+        """The manager; raises what creating it raised (the caller falls back)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._manager
+
+    def close(self) -> None:
+        """Close the manager (after the thread finished). Idempotent."""
+        self._thread.join()
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
 
 
 @dataclasses.dataclass

@@ -66,6 +66,11 @@ class PullResult:
             (facts for the caller to check, e.g. the vLLM loader's probe).
         transfer_id: the control plane's record of this pull (None when the caller
             keeps its own, ``track=False``).
+        phases: where ``total_seconds`` went, in seconds: ``control_plane`` (the
+            transfer record, candidates, manifests), ``agent`` (creating the NIXL
+            agent; 0 with a caller's manager), ``register`` (registering the
+            destination), ``connect`` and ``data_plane`` (as above; ``verify`` overlaps
+            the data plane), ``other`` (the rest: planning, peers, bookkeeping).
     """
 
     source_ids: tuple[str, ...]
@@ -84,12 +89,14 @@ class PullResult:
     source_attributes: Mapping[str, Mapping[str, object]] = dataclasses.field(
         default_factory=dict)
     transfer_id: str | None = None
+    phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-able form (for ``--json`` output)."""
         data = dataclasses.asdict(self)
         data["skipped"] = [dataclasses.asdict(s) for s in self.skipped]
         data["source_attributes"] = {k: dict(v) for k, v in self.source_attributes.items()}
+        data["phases"] = dict(self.phases)
         return data
 
 
@@ -393,8 +400,11 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             if tracker is not None:
                 tracker.report(done, total)
 
+        phases = {"control_plane": time.monotonic() - started, "agent": 0.0, "register": 0.0}
         owns = manager is None
+        t0 = time.monotonic()
         mgr = manager or NixlTransferManager()
+        phases["agent"] = time.monotonic() - t0
         puller = _Puller(client=client, manager=mgr, dest=dest or {}, allow_partial=allow_partial,
                          verify=verify, deadline=deadline, progress=report, stop=stop_signal,
                          chunk_bytes=chunk_bytes, refuse_slow_transport=refuse_slow_transport,
@@ -403,6 +413,7 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             # Fetch manifests lazily: a source may vanish between list and get.
             fetched: list[tuple["SourceInfo", "Manifest"]] = []
             excluded = set(exclude_workers)
+            t0 = time.monotonic()
             for source_id in by_preference:
                 if len(fetched) >= max(stripe, max_attempts):
                     break
@@ -417,6 +428,7 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
                     fetched.append((full, manifest_of(full)))
                 except MxError as exc:
                     puller.skip(full, f"unusable manifest: {exc}")
+            phases["control_plane"] += time.monotonic() - t0
             if not fetched:
                 raise NoSourceError(_no_source_message(identity, puller.skipped))
             attributes = {info.id: manifest.attributes for info, manifest in fetched}
@@ -445,7 +457,9 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             if owns:
                 # Register once up front: striped READs run in parallel threads and must
                 # not race to register the same destination memory.
+                t0 = time.monotonic()
                 mgr.register_tensors(dict(dest))
+                phases["register"] = time.monotonic() - t0
             if stripe > 1 and len(fetched) > 1:
                 results = _pull_striped(puller, fetched[:stripe], fetched, max_attempts)
             else:
@@ -455,6 +469,11 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             if owns:
                 mgr.close()
         seconds = max(r.seconds for _, r in results)
+        total = time.monotonic() - started
+        phases["connect"] = max(r.connect_seconds for _, r in results)
+        phases["data_plane"] = seconds
+        phases["verify"] = sum(r.verify_seconds for _, r in results)
+        phases["other"] = max(total - sum(v for k, v in phases.items() if k != "verify"), 0.0)
         nbytes = sum(r.bytes for _, r in results)
         out = PullResult(
             source_ids=tuple(info.id for info, _ in results), bytes=nbytes, seconds=seconds,
@@ -464,11 +483,12 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             tensors=sum(r.tensors for _, r in results),
             verified=all(r.verified for _, r in results), skipped=tuple(puller.skipped),
             warnings=tuple(w for _, r in results for w in r.warnings),
-            total_seconds=time.monotonic() - started,
+            total_seconds=total,
             verify_seconds=sum(r.verify_seconds for _, r in results),
             connect_seconds=max(r.connect_seconds for _, r in results),
             source_attributes={info.id: attributes[info.id] for info, _ in results},
-            transfer_id=tracker.id if tracker is not None else None)
+            transfer_id=tracker.id if tracker is not None else None,
+            phases={k: round(v, 6) for k, v in phases.items()})
         log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s)%s",
                  identity.model, out.bytes, out.tensors, ",".join(out.source_ids), out.seconds,
                  out.gbps, out.transport,
