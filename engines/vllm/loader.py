@@ -246,6 +246,10 @@ class MxModelLoader(BaseModelLoader):
                             "pull attempt had written into it", model_config.model,
                             self.options.fallback_load_format)
                 registrations.forget_since_snapshot()
+                if self._nixl is not None:
+                    # It registered the discarded model's memory; serving makes its own.
+                    self._nixl.close()
+                    self._nixl = None
                 del model
                 _release_cached_memory()
                 model = self._create(vllm_config, model_config, prefix, device)
