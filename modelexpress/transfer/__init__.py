@@ -20,14 +20,13 @@ from modelexpress.transfer.registration import Strategy, choose_arena_strategy
 from modelexpress.transfer.transport import (
     FLOORS_GBPS,
     METRICS,
+    UNKNOWN,
     TransportVerdict,
     UcxLogFacts,
     assess,
     expected_transport,
-    parse_ucx_log,
-    read_ucx_log,
-    ucx_proto_info_env,
 )
+from modelexpress.transfer.ucx_report import parse_ucx_log, read_ucx_log, ucx_proto_info_env
 
 __all__ = [
     "ALGORITHMS",
@@ -46,6 +45,7 @@ __all__ = [
     "TensorEntry",
     "TransferResult",
     "TransportVerdict",
+    "UNKNOWN",
     "UcxLogFacts",
     "assess",
     "build_manifest",

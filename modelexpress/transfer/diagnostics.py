@@ -89,6 +89,10 @@ def _ucx() -> CheckResult:
     whole = os.environ.get("UCX_CUDA_COPY_REG_WHOLE_ALLOC")
     if whole:
         detail += f"; UCX_CUDA_COPY_REG_WHOLE_ALLOC={whole}"
+    from modelexpress.transfer.ucx_report import configure
+    report = configure()  # where results read the transport UCX used
+    detail += (f"; protocol report: {report.pattern}" if report.pattern is not None
+               else f"; transports not observable: {report.reason}")
     return CheckResult("ucx transports", "ok" if "tcp" in tls else "warn", detail)
 
 

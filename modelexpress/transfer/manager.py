@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 import threading
 import time
@@ -48,6 +47,7 @@ from modelexpress.errors import (
 from modelexpress.transfer import digest as _digest
 from modelexpress.transfer.manifest import Manifest, build_manifest
 from modelexpress.transfer.nixl_adapter import NixlAgent
+from modelexpress.transfer.observer import TransportObserver
 from modelexpress.transfer.planner import ReadPlan, RegionIndex, plan_read
 from modelexpress.transfer.read_loop import ProgressCallback, ReadLoop, StopSignal, stopped
 from modelexpress.transfer.registration import (
@@ -61,10 +61,8 @@ from modelexpress.transfer.registration import (
 from modelexpress.transfer.transport import (
     METRICS,
     TransportVerdict,
-    UcxLogFacts,
     assess,
     expected_transport,
-    read_ucx_log,
 )
 
 if TYPE_CHECKING:
@@ -74,6 +72,9 @@ __all__ = ["NixlTransferManager", "RegistrationInfo", "TransferResult", "StopSig
            "ProgressCallback"]
 
 log = logging.getLogger(__name__)
+
+# How often a serving agent reads UCX's log file (to relay UCX's warnings).
+_REPORT_POLL_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,10 @@ class TransferResult:
         descriptors: NIXL descriptors after coalescing.
         chunks: posted requests.
         tensors: tensors read (all verified when ``verified``).
-        transport: transport in use (UCX's report when captured, else the expected one).
+        transport: the UCX transport(s) UCX's protocol report shows for this READ,
+            ``+``-joined in the report's order (``cma``, ``tcp``, ``cuda_ipc``,
+            ``rc_mlx5``, ``cuda_copy+tcp``), or ``unknown`` when the report could not be
+            read or did not settle it (``transport_detail`` says why). Never inferred.
         verdict: the transport verdict (``verdict.ok`` False: a fallback was detected).
         warnings: human-readable warnings (slow transport, unverified tensors).
         verified: every tensor's digest matched.
@@ -107,6 +111,11 @@ class TransferResult:
         peer: the source agent name.
         connect_seconds: the small READ before the clock that opens the peer's
             memory on a new connection (see ``ReadLoop._connect``).
+        expected_transport: the transport family the memory kinds and hosts call for
+            (``cma``, ``cuda_ipc``, ``rdma``; :func:`~.transport.expected_transport`):
+            what the verdict compares against, not what was used.
+        transport_detail: one line: where ``transport`` was read (the UCX log file),
+            or why it is ``unknown``.
     """
 
     bytes: int
@@ -122,31 +131,35 @@ class TransferResult:
     verify_seconds: float
     peer: str
     connect_seconds: float = 0.0
+    expected_transport: str = ""
+    transport_detail: str = ""
 
 
 class NixlTransferManager(ClosedOnCollect):
     """One NIXL agent with its registrations, peers and READs.
 
     Args:
-        name: agent name (unique among peers); uuid-based when None.
-        backend: NIXL backend plugin (``MX_NIXL_BACKEND``).
+        name: agent name (unique among peers, and in its first 31 characters within a
+            process: UCX names its protocol report after those); uuid-based when None.
+        backend: NIXL backend plugin (``MX_NIXL_BACKEND``): one the installed NIXL offers
+            (``UCX``, ``LIBFABRIC``, ...). Results name the transport only with UCX, whose
+            protocol report says which one it used (:mod:`~.ucx_report`).
         enable_prog_thread: NIXL's own progress thread (off: see the module docstring).
         listen_port: NIXL listener port; 0 picks any (metadata travels out of band).
         num_threads: backend worker threads (0 = default).
-        ucx_log_file: a UCX log written with ``UCX_PROTO_INFO=y`` (``%p`` = this pid);
-            when given, the transport UCX chose is read from it and reported.
 
     Raises:
+        ConfigError: ``backend`` is not offered by this NIXL (the message lists those that are).
         DependencyError: NIXL is missing.
         TransferError: the agent could not start.
     """
 
     def __init__(self, name: str | None = None, *, backend: str = "UCX",
-                 enable_prog_thread: bool = False, listen_port: int = 0, num_threads: int = 0,
-                 ucx_log_file: str | None = None) -> None:
+                 enable_prog_thread: bool = False, listen_port: int = 0,
+                 num_threads: int = 0) -> None:
         self._agent = NixlAgent(name, backend=backend, enable_prog_thread=enable_prog_thread,
                                 listen_port=listen_port, num_threads=num_threads)
-        self._ucx_log_file = ucx_log_file.replace("%p", str(os.getpid())) if ucx_log_file else None
+        self._observer = TransportObserver(self._agent.name, self._agent.backend)
         self._registrations: list[tuple[str, list[Region], Any]] = []  # (mem, regions, handle)
         self._peers: set[str] = set()
         self._progress_stop = threading.Event()
@@ -160,6 +173,11 @@ class NixlTransferManager(ClosedOnCollect):
     def name(self) -> str:
         """This agent's name (what peers see as the source name)."""
         return self._agent.name
+
+    @property
+    def backend(self) -> str:
+        """The NIXL backend plugin in use (``UCX``)."""
+        return self._agent.backend
 
     def get_agent_metadata(self) -> bytes:
         """Connection info and registered regions for peers; publish it after registering."""
@@ -295,7 +313,11 @@ class NixlTransferManager(ClosedOnCollect):
         Raises:
             PeerError / TransferError: NIXL rejected the metadata.
         """
-        peer = self._agent.add_peer(metadata)
+        # Loading metadata connects and unpacks the peer's memory keys; UCX logs a key
+        # it cannot open (the CUDA VMM error) here, which belongs to this peer.
+        with self._observer.peer_window() as window:
+            peer = self._agent.add_peer(metadata)
+            window.peer = peer
         self._peers.add(peer)
         log.info("added peer %s (%d bytes of metadata)", peer, len(metadata))
         return peer
@@ -304,6 +326,7 @@ class NixlTransferManager(ClosedOnCollect):
         """Disconnect from a peer. Unknown names are ignored (idempotent)."""
         if peer in self._peers:
             self._peers.discard(peer)
+            self._observer.forget(peer)
             self._agent.remove_peer(peer)
 
     # -- serving (passive side) ---------------------------------------------------------
@@ -337,13 +360,20 @@ class NixlTransferManager(ClosedOnCollect):
             TransferTimeoutError: ``max_seconds`` ran out before ``stop``.
         """
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        next_report = time.monotonic() + _REPORT_POLL_S
         while not stopped(stop):
             if self._closed:
                 return
             self.progress_once()
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 raise TransferTimeoutError(f"serving agent {self.name} ran {max_seconds} s "
                                            "without a stop signal")
+            if now > next_report:
+                # UCX's warnings go to the log file we point it at; a passive source
+                # reads no READ results, so relay them from here.
+                self._observer.poll()
+                next_report = now + _REPORT_POLL_S
             time.sleep(poll_interval_s)
 
     def start_progress_thread(self, poll_interval_s: float = 0.0005) -> None:
@@ -408,9 +438,6 @@ class NixlTransferManager(ClosedOnCollect):
         return plan_read(manifest, local, local_regions=self.registered_regions(),
                          allow_partial=allow_partial, coalesce_descriptors=coalesce,
                          chunk_bytes=chunk_bytes, first_chunk_bytes=first_chunk_bytes)
-
-    def _ucx_facts(self) -> UcxLogFacts | None:
-        return read_ucx_log(self._ucx_log_file) if self._ucx_log_file else None
 
     def read(self, manifest: Manifest, local: Mapping[str, torch.Tensor], *,
              peer: str | None = None, allow_partial: bool = False, coalesce: bool = True,
@@ -486,19 +513,22 @@ class NixlTransferManager(ClosedOnCollect):
         # The GPU digest kernel is loaded (compiled on a machine's first use, ~1 s)
         # now, not inside the first chunk's verification.
         _digest.prepare(algo, (local[p.name] for p in plan.pairs))
-        runner = ReadLoop(self, plan, local, peer, algo, deadline_s, progress, stop,
-                          on_tensor_done, max_inflight, expected, refuse_slow_transport,
-                          probe_bytes)
-        seconds, verify_s, probe_verdict = runner.run()
+        sizes = [int(n) for n in plan.local_descs[:, 1]] if len(plan.local_descs) else []
+        with self._observer.reading(peer, plan.local_mem, plan.remote_mem, sizes) as watch:
+            runner = ReadLoop(self, plan, local, peer, algo, deadline_s, progress, stop,
+                              on_tensor_done, max_inflight, expected, refuse_slow_transport,
+                              probe_bytes, watch)
+            seconds, verify_s, probe_verdict = runner.run()
+        facts = watch.facts()
         total = plan.total_bytes
         if runner.first_chunk is not None and seconds > runner.first_chunk[1]:
             # Steady state: everything after the probed first chunk, which carried the
             # connection setup (a new worker's first pull must not read as a fallback).
             first_bytes, first_s = runner.first_chunk
             verdict = assess(expected, total - first_bytes, seconds - first_s,
-                             facts=self._ucx_facts(), min_measure_bytes=probe_bytes)
+                             facts=facts, min_measure_bytes=probe_bytes)
         else:
-            verdict = assess(expected, total, seconds, facts=self._ucx_facts(),
+            verdict = assess(expected, total, seconds, facts=facts,
                              min_measure_bytes=min(probe_bytes, total) if total else 1,
                              cold=True)
         if probe_verdict is not None and not probe_verdict.ok and verdict.ok:
@@ -515,12 +545,14 @@ class NixlTransferManager(ClosedOnCollect):
                  len(plan.pairs), plan.descriptors, len(plan.chunks), peer, seconds,
                  runner.connect_s, gbps, verdict.transport,
                  "verified" if algo else "not checked", verify_s)
+        log.debug("transport of the READ from %s: %s", peer, facts.detail)
         return TransferResult(bytes=total, seconds=seconds, gbps=gbps,
                               descriptors=plan.descriptors, chunks=len(plan.chunks),
                               tensors=len(plan.pairs), transport=verdict.transport,
                               verdict=verdict, warnings=tuple(warnings),
                               verified=algo is not None, verify_seconds=verify_s, peer=peer,
-                              connect_seconds=runner.connect_s)
+                              connect_seconds=runner.connect_s, expected_transport=expected,
+                              transport_detail=facts.detail)
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
@@ -540,4 +572,5 @@ class NixlTransferManager(ClosedOnCollect):
                 self._peers.clear()
                 self.deregister_all()
             finally:
+                self._observer.close()
                 self._agent.close()

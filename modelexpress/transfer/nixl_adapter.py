@@ -15,6 +15,7 @@ first one installed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -27,6 +28,7 @@ from typing import Any, Literal, TypeVar
 
 from modelexpress._optional import available
 from modelexpress.errors import (
+    ConfigError,
     DependencyError,
     PeerError,
     RegistrationError,
@@ -34,6 +36,7 @@ from modelexpress.errors import (
     TransferError,
     TransportError,
 )
+from modelexpress.transfer import ucx_report
 
 __all__ = [
     "ERROR_MAP",
@@ -182,8 +185,12 @@ class NixlAgent:
     the listener thread is ``NONE`` (no internal locking).
 
     Args:
-        name: agent name; a uuid-based one when None (names must be unique per peer pair).
-        backend: NIXL backend plugin ("UCX").
+        name: agent name; a uuid-based one when None (names must be unique per peer pair;
+            keep the first 31 characters unique within a process: UCX names its
+            protocol report after them).
+        backend: NIXL backend plugin, one of those the installed NIXL offers (``UCX``,
+            ``LIBFABRIC``, ...; case-insensitive). Only UCX reports which transport it
+            used.
         enable_prog_thread: NIXL's own progress thread. Off by default: on the GPU
             machine it measured 396 GB/s off vs 236-299 GB/s on (GPU.md). With it
             off, a passive source must call :meth:`progress` in a loop.
@@ -191,6 +198,7 @@ class NixlAgent:
         num_threads: backend worker threads (0 = backend default).
 
     Raises:
+        ConfigError: ``backend`` is not a plugin this NIXL offers (the message lists them).
         DependencyError: NIXL is not installed.
         TransferError: the agent or backend could not be created.
     """
@@ -198,10 +206,12 @@ class NixlAgent:
     def __init__(self, name: str | None = None, *, backend: str = "UCX",
                  enable_prog_thread: bool = False, listen_port: int = 0,
                  num_threads: int = 0) -> None:
+        if not isinstance(backend, str) or not backend.strip():
+            raise ConfigError(f"backend must name a NIXL backend plugin such as 'UCX' "
+                              f"(got {backend!r})")
         nixl = nixl_module()
         _ensure_cuda_context()
         self.name = name or f"mx-{uuid.uuid4().hex}"
-        self.backend = backend
         self._lock = threading.RLock()
         self._closed = False
         self._agent: Any = None
@@ -210,16 +220,33 @@ class NixlAgent:
                                         num_threads=num_threads, backends=[])
         try:
             agent = nixl.nixl_agent(self.name, config)
-            if backend not in agent.get_plugin_list():
-                raise TransferError(
-                    f"NIXL backend plugin {backend!r} is not available (found "
-                    f"{sorted(agent.get_plugin_list())}); set MX_NIXL_BACKEND to one of them")
-            agent.create_backend(backend, {"num_threads": str(num_threads)} if num_threads else {})
+            plugins = sorted(str(p) for p in agent.get_plugin_list())
         except _nixl_errors() as exc:
-            raise translate(exc, f"create agent {self.name} with backend {backend}") from exc
+            raise translate(exc, f"create agent {self.name}") from exc
         except RuntimeError as exc:  # "No plugins available" is a plain RuntimeError
             raise TransferError(f"NIXL agent {self.name} could not start: {exc}. "
                                 "Check NIXL_PLUGIN_DIR and the wheel installation.") from exc
+        # NIXL's plugin names are upper case; accept "ucx" for "UCX".
+        self.backend = {p.upper(): p for p in plugins}.get(backend.strip().upper(), "")
+        if not self.backend:
+            raise ConfigError(f"NIXL backend {backend!r} is not available; this NIXL offers "
+                              f"{', '.join(plugins) or 'no plugins'} (UCX moves memory between "
+                              "agents and is the default)")
+        params = {"num_threads": str(num_threads)} if num_threads else {}
+        # UCX reads where to write its protocol report while its backend starts
+        # (ucx_report: the transport a result names is read from that report).
+        starting = ucx_report.ucx_env() if self.backend == "UCX" else contextlib.nullcontext()
+        try:
+            with starting:
+                agent.create_backend(self.backend, params)
+        except _nixl_errors() as exc:
+            raise TransferError(
+                f"NIXL backend plugin {self.backend} is installed but did not start "
+                f"({type(exc).__name__}: {exc}): its library or devices are missing here. "
+                f"This NIXL offers {', '.join(plugins)}; UCX is the default") from exc
+        except RuntimeError as exc:
+            raise TransferError(f"NIXL agent {self.name} could not start backend "
+                                f"{self.backend}: {exc}") from exc
         self._agent = agent
 
     # -- plumbing -----------------------------------------------------------------

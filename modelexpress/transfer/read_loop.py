@@ -29,6 +29,7 @@ from modelexpress.transfer.transport import METRICS, TransportVerdict, assess
 
 if TYPE_CHECKING:
     from modelexpress.transfer.manager import NixlTransferManager
+    from modelexpress.transfer.observer import ReadWatch
 
 __all__ = ["ReadLoop", "StopSignal", "ProgressCallback", "stopped"]
 
@@ -58,12 +59,13 @@ class ReadLoop:
                  peer: str, algo: str | None, deadline_s: float,
                  progress: ProgressCallback | None, stop: StopSignal | None,
                  on_tensor_done: Callable[[str], None] | None, max_inflight: int,
-                 expected: str, refuse: bool, probe_bytes: int) -> None:
+                 expected: str, refuse: bool, probe_bytes: int, watch: "ReadWatch") -> None:
         self.mgr, self.agent, self.plan, self.local = mgr, mgr._agent, plan, local
         self.peer, self.algo, self.deadline_s = peer, algo, deadline_s
         self.progress, self.stop, self.on_tensor_done = progress, stop, on_tensor_done
         self.max_inflight, self.expected, self.refuse = max_inflight, expected, refuse
         self.probe_bytes = probe_bytes
+        self.watch = watch  # which transport UCX's report shows for this READ
         self.verify_s = 0.0
         self.connect_s = 0.0
         self._last_log = time.monotonic()  # of the last still-waiting line
@@ -124,6 +126,9 @@ class ReadLoop:
         peer copy does once: it lands in ``connect_seconds`` and in the caller's
         end-to-end time, not in the data-plane rate. The bytes land in the first
         tensor of this plan and are read again by the first chunk.
+
+        It is also where UCX selects its protocols for this peer and reports them,
+        so it runs inside the observer's window (see ``observer.py``).
         """
         plan, agent, peer = self.plan, self.agent, self.peer
         t0 = time.perf_counter()
@@ -134,15 +139,16 @@ class ReadLoop:
         handles = []
         req = None
         try:
-            handles.append(agent.prep(None, local, plan.local_mem))
-            handles.append(agent.prep(peer, remote, plan.remote_mem))
-            idx = np.zeros(1, dtype=np.int32)
-            req = agent.make_read(handles[0], idx, handles[1], idx, peer, b"")
-            state = agent.post(req, peer, n)
-            if state == "PROC":
-                state = self._wait(req, n, deadline, f"the {n}-byte connect READ", lambda: (
-                    f"connecting to peer {peer} (a {n}-byte READ) did not finish within "
-                    f"{self.deadline_s} s; the peer may be hung"))
+            with self.watch.window():
+                handles.append(agent.prep(None, local, plan.local_mem))
+                handles.append(agent.prep(peer, remote, plan.remote_mem))
+                idx = np.zeros(1, dtype=np.int32)
+                req = agent.make_read(handles[0], idx, handles[1], idx, peer, b"")
+                state = agent.post(req, peer, n)
+                if state == "PROC":
+                    state = self._wait(req, n, deadline, f"the {n}-byte connect READ", lambda: (
+                        f"connecting to peer {peer} (a {n}-byte READ) did not finish within "
+                        f"{self.deadline_s} s; the peer may be hung"))
             if state == "ERR":
                 raise PeerError(f"connecting to peer {peer} (a {n}-byte READ) failed: the peer "
                                 "vanished or its memory is gone; try another source")
@@ -217,7 +223,7 @@ class ReadLoop:
                     # cold floor here, the steady rate is judged after the last chunk.
                     self.first_chunk = (c.nbytes, landed - t0)
                     probe_verdict = assess(self.expected, c.nbytes, landed - posted,
-                                           facts=self.mgr._ucx_facts(),
+                                           facts=self.watch.facts(),
                                            min_measure_bytes=min(self.probe_bytes, c.nbytes),
                                            cold=True)
                     if not probe_verdict.ok and self.refuse:

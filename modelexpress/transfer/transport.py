@@ -1,17 +1,18 @@
-"""Which UCX transport a peer pair uses, what rate it must reach, and the verdict.
+"""What transport a READ should use, what rate it must reach, and the verdict.
 
 Why this exists: on this project's GPU machine (NIXL 1.5.1, UCX 1.23, 2x H200) UCX
 cannot open CUDA VMM (``cuMemCreate``) memory over ``cuda_ipc``; it logs
-``unsupported key handle type: 0`` and silently moves the bytes over TCP at
-~0.5 GB/s, ~800x below the 395 GB/s NVLink copy, with correct data and no NIXL
-error (GPU.md). That must never pass silently. Three signals, any one suffices:
+``unsupported key handle type: 0`` and silently moves the bytes over TCP, with
+correct data and no NIXL error (GPU.md). That must never pass silently. The signals:
 
-1. **UCX's own protocol report**: with ``UCX_PROTO_INFO=y`` UCX prints, per endpoint
-   configuration, which transport serves "remote memory read" (``cma/memory``,
-   ``tcp/lo``, ``cuda_ipc/cuda``, ``rc_mlx5/mlx5_0:1``). :func:`parse_ucx_log` reads
-   that (and the VMM key error line) from a UCX log file.
-2. **Rate floor**: a READ of at least ``min_measure_bytes`` slower than the expected
-   transport's floor (:data:`FLOORS_GBPS`) is a fallback, whatever the log says.
+1. **UCX's own protocol report** (:mod:`~modelexpress.transfer.ucx_report`, attributed
+   to a peer by :mod:`~modelexpress.transfer.observer`): which transport UCX selected
+   for "remote memory read" (``cma``, ``tcp``, ``cuda_ipc``, ``rc_mlx5``), and the VMM
+   key error line. This is what a result names as its transport; without it the
+   transport is ``unknown``, never a guess.
+2. **Rate floor**: a READ of at least ``min_measure_bytes`` slower than the floor
+   (:data:`FLOORS_GBPS`) of the observed transport (the expected one when nothing was
+   observed) is a fallback, whatever the log says.
 3. **Expectation**: :func:`expected_transport` says what a memory-kind/host pair
    should use, so the message can say what to change.
 
@@ -23,16 +24,17 @@ to every transfer result, logs a warning, counts it in :data:`METRICS`, and rais
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import logging
-import re
 import threading
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COLD_FLOOR_GBPS", "FLOORS_GBPS", "METRICS", "TransportMetrics", "TransportVerdict", "UcxLogFacts",
-           "assess", "expected_transport", "parse_ucx_log", "read_ucx_log", "ucx_proto_info_env"]
+__all__ = ["COLD_FLOOR_GBPS", "FLOORS_GBPS", "METRICS", "UNKNOWN", "TransportMetrics",
+           "TransportVerdict", "UcxLogFacts", "assess", "expected_transport"]
+
+# What a result says when UCX's report did not show the transport.
+UNKNOWN = "unknown"
 
 # Lowest rate (GB/s) a READ on each transport may show before we call it a fallback.
 # Far below the measured rates on purpose, so a loaded machine never trips it, yet
@@ -89,91 +91,21 @@ def expected_transport(local_mem: str, remote_mem: str, same_host: bool) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class UcxLogFacts:
-    """What a UCX log says about reads.
+    """What UCX's report says about the reads of one peer (or of a whole log).
 
     Attributes:
-        read_transports: UCX transports UCX chose for "remote memory read" (e.g. cma, tcp).
+        read_transports: UCX transports UCX selected for "remote memory read" (e.g.
+            ``cma``, ``tcp``); empty when none were observed.
         vmm_key_unsupported: the ``unsupported key handle type`` line was seen (VMM memory
-            offered to cuda_ipc; UCX falls back to another transport, TCP here).
-        evidence: the log lines behind the facts (a few, for the message).
+            offered to cuda_ipc; UCX falls back to another transport).
+        evidence: the report lines behind the facts (a few, for the message).
+        detail: where the transports were read, or why none were.
     """
 
     read_transports: tuple[str, ...] = ()
     vmm_key_unsupported: bool = False
     evidence: tuple[str, ...] = ()
-
-
-_ROW = re.compile(r"\|\s*[\d.]+\s*(?:\.\.\s*(?:inf|[\d.]+))?\s*\|[^|]*\|\s*([A-Za-z0-9_]+)/[^|]*\|")
-_READ_TITLE = re.compile(r"remote memory read by ucp_get")
-_VMM_KEY = re.compile(r"unsupported key handle type")
-
-
-def parse_ucx_log(text: str) -> UcxLogFacts:
-    """Extract read-transport choices and the VMM key error from a UCX log.
-
-    Args:
-        text: UCX output captured with ``UCX_PROTO_INFO=y`` (and e.g.
-            ``UCX_LOG_FILE=/path/ucx.%p.log``); other lines are ignored.
-
-    Returns:
-        The facts found (empty when the log holds none).
-    """
-    transports: list[str] = []
-    evidence: list[str] = []
-    vmm = False
-    in_read = False
-    for line in text.splitlines():
-        if _VMM_KEY.search(line):
-            vmm = True
-            evidence.append(line.strip())
-            continue
-        if "+---" in line and not in_read:
-            continue
-        if _READ_TITLE.search(line):
-            in_read = True
-            evidence.append(line.strip())
-            continue
-        if in_read:
-            if re.search(r"\|\s*[A-Za-z].* by ucp_", line):  # next table's title
-                in_read = False
-                continue
-            m = _ROW.search(line)
-            if m:
-                tl = m.group(1)
-                if tl not in transports:
-                    transports.append(tl)
-                    evidence.append(line.strip())
-    return UcxLogFacts(tuple(transports), vmm, tuple(evidence[:6]))
-
-
-def ucx_proto_info_env(log_file: str) -> dict[str, str]:
-    """Environment that makes UCX report its protocol choices into ``log_file``.
-
-    UCX reads it when the first agent of a process starts, so entry points apply
-    it (``os.environ.update``) before creating a manager, or pass it to a child.
-    ``%p`` in the path is replaced by the pid (by UCX and by the manager).
-    """
-    return {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": log_file}
-
-
-def read_ucx_log(path: str) -> UcxLogFacts | None:
-    """Flush UCX's buffered log stream and parse ``path``; None when unreadable.
-
-    UCX writes its log through a buffered C ``FILE*``; the protocol tables of a
-    transfer that just ran sit in that buffer (seen here: 12 KiB on disk of 15 KiB
-    written). ``fflush(NULL)`` flushes every C output stream of this process,
-    which is harmless and the only handle we have on UCX's stream.
-    """
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError) as exc:  # no libc symbol table: parse what is on disk
-        log.debug("fflush(NULL) unavailable: %s", exc)
-    try:
-        with open(path, errors="replace") as f:
-            return parse_ucx_log(f.read())
-    except OSError as exc:
-        log.debug("UCX log %s unreadable: %s", path, exc)
-        return None
+    detail: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,10 +115,12 @@ class TransportVerdict:
     Attributes:
         ok: False means a fallback or mismatch was detected.
         expected: the transport family expected (see :func:`expected_transport`).
-        observed: families UCX reported for reads (empty when not captured).
+        observed: families of the transports UCX reported for reads (empty when none
+            were observed).
         gbps: measured rate of the data moved, or None when too little was measured.
-        floor_gbps: the expected family's floor.
+        floor_gbps: the floor judged against: the observed family's, else the expected one's.
         message: one line; when not ok, says what to change.
+        transports: the UCX transport names observed (``cma``, ``rc_mlx5``, ...).
     """
 
     ok: bool
@@ -195,17 +129,19 @@ class TransportVerdict:
     gbps: float | None
     floor_gbps: float
     message: str
+    transports: tuple[str, ...] = ()
 
     @property
     def transport(self) -> str:
-        """The best name for the transport in use (observed if known, else expected)."""
-        return "+".join(self.observed) if self.observed else self.expected
+        """The UCX transport(s) observed, ``+``-joined, or :data:`UNKNOWN`."""
+        return "+".join(self.transports) if self.transports else UNKNOWN
 
 
 def _advice(expected: str, vmm: bool) -> str:
     if expected == "cuda_ipc" or vmm:
-        return ("UCX cuda_ipc cannot open CUDA VMM (cuMemCreate) memory in UCX <= 1.23 and "
-                "falls back to TCP. On NVLink peers load without the VMM arena "
+        return ("UCX <= 1.23 does not use cuda_ipc for CUDA VMM (cuMemCreate) memory, nor "
+                "for a peer on the same GPU, and falls back to TCP. On NVLink peers load "
+                "without the VMM arena "
                 "(MX_VMM_ARENA=0) so tensors are cudaMalloc memory; use the arena's single "
                 "region only on dmabuf/IB (MX_ARENA_SINGLE_MR=1); or use a UCX with "
                 "openucx/ucx#11283. See docs/DEPLOYMENT.md, Multi-handle arenas. "
@@ -220,42 +156,47 @@ def _advice(expected: str, vmm: bool) -> str:
 def assess(expected: str, nbytes: int, seconds: float, *,
            facts: UcxLogFacts | None = None, min_measure_bytes: int = 64 << 20,
            cold: bool = False) -> TransportVerdict:
-    """Judge a transfer (or probe) against its expected transport.
+    """Judge a transfer (or probe) against its observed, else its expected, transport.
 
     Args:
         expected: family from :func:`expected_transport`.
         nbytes: bytes moved in ``seconds``.
         seconds: wall time of those bytes.
-        facts: what the UCX log said, when captured.
+        facts: what UCX's report said for this peer, when it could be read.
         min_measure_bytes: below this the rate is not judged (latency dominates).
         cold: the bytes include connection setup; judged against at most
             :data:`COLD_FLOOR_GBPS`.
 
     Returns:
         The verdict (``ok=False`` for: the VMM key error, UCX reporting TCP where
-        something else was expected, or a rate below the expected floor).
+        something else was expected, or a rate below the floor of the observed
+        transport, or of the expected one when nothing was observed).
     """
-    floor = FLOORS_GBPS.get(expected, 0.0)
+    tls = facts.read_transports if facts else ()
+    observed = tuple(dict.fromkeys(_family(t) for t in tls))
+    floor = min(FLOORS_GBPS.get(f, 0.0) for f in (observed or (expected,)))
     if cold:
         floor = min(floor, COLD_FLOOR_GBPS)
     gbps = nbytes / seconds / 1e9 if seconds > 0 and nbytes >= min_measure_bytes else None
-    observed = tuple(dict.fromkeys(_family(t) for t in (facts.read_transports if facts else ())))
     vmm = bool(facts and facts.vmm_key_unsupported)
     rate = f"{gbps:.2f} GB/s" if gbps is not None else "rate not measured"
+    name = "+".join(tls) if tls else f"{UNKNOWN} transport (expected {expected})"
     if vmm:
         msg = (f"UCX refused the CUDA VMM memory key on {expected} ('unsupported key handle "
-               f"type') and fell back ({rate}). " + _advice(expected, True))
-        return TransportVerdict(False, expected, observed or ("tcp",), gbps, floor, msg)
+               f"type') and fell back to {'+'.join(tls) or 'another transport'} ({rate}). "
+               + _advice(expected, True))
+        return TransportVerdict(False, expected, observed, gbps, floor, msg, tls)
     if observed and expected not in observed and "tcp" in observed and expected != "tcp":
         msg = (f"UCX moved the READ over tcp where {expected} was expected ({rate}). "
                + _advice(expected, False))
-        return TransportVerdict(False, expected, observed, gbps, floor, msg)
+        return TransportVerdict(False, expected, observed, gbps, floor, msg, tls)
     if gbps is not None and gbps < floor:
-        msg = (f"READ ran at {rate}, below the {floor:g} GB/s floor of {expected}: UCX most "
-               "likely fell back to TCP. " + _advice(expected, False))
-        return TransportVerdict(False, expected, observed, gbps, floor, msg)
-    return TransportVerdict(True, expected, observed, gbps, floor,
-                            f"{'+'.join(observed) or expected} at {rate}")
+        basis = (f"of {'+'.join(observed)}" if observed
+                 else f"of {expected} (transport not observed)")
+        msg = (f"READ over {name} ran at {rate}, below the {floor:g} GB/s floor {basis}: UCX "
+               "most likely fell back to TCP. " + _advice(expected, False))
+        return TransportVerdict(False, expected, observed, gbps, floor, msg, tls)
+    return TransportVerdict(True, expected, observed, gbps, floor, f"{name} at {rate}", tls)
 
 
 class TransportMetrics:

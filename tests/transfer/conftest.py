@@ -1,4 +1,5 @@
-"""Fixtures: a real source process (tests/transfer/_peer.py) and a target manager."""
+"""Fixtures: real source processes (tests/transfer/_peer.py) and target processes
+(tests/transfer/_target.py), each with the UCX environment a test gives it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 PEER = pathlib.Path(__file__).with_name("_peer.py")
+TARGET = pathlib.Path(__file__).with_name("_target.py")
 START_TIMEOUT_S = 120.0  # import torch + NIXL on a loaded 2-core machine
 
 
@@ -73,3 +75,28 @@ def source_factory() -> Iterator:
     yield make
     for src in started:
         src.stop()
+
+
+def run_target(sources: list[Source], kind: str, env: dict[str, str] | None = None, *,
+               repeat: int = 1, refuse: bool = False, parallel: bool = False,
+               drop_env: tuple[str, ...] = ()) -> dict:
+    """READ ``kind`` from each source, ``repeat`` times (or all sources at once:
+    ``parallel``), with one manager in a fresh target process.
+
+    The target's UCX starts in that process, so ``env`` (UCX_TLS, UCX_LOG_FILE, ...)
+    is in place before it; ``drop_env`` removes inherited variables first.
+    """
+    spec = {"sources": [{"metadata": base64.b64encode(s.metadata).decode(),
+                         "manifest": s.manifests[kind]} for s in sources],
+            "repeat": repeat, "refuse": refuse, "parallel": parallel}
+    base = {k: v for k, v in os.environ.items() if k not in drop_env}
+    out = subprocess.run([sys.executable, str(TARGET)], input=json.dumps(spec),
+                         capture_output=True, text=True, timeout=300,
+                         env={**base, **(env or {})})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
+
+
+@pytest.fixture
+def target_runner():
+    return run_target

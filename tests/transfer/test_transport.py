@@ -3,19 +3,15 @@ outcomes (UCX cuda_ipc silently falling back to TCP for CUDA VMM memory, GPU.md)
 
 from __future__ import annotations
 
-import base64
-import json
-import pathlib
-import subprocess
-import sys
-
 import pytest
+import torch
 
 from modelexpress import errors
 from modelexpress.transfer import assess, expected_transport, parse_ucx_log
 from modelexpress.transfer.nixl_adapter import ERROR_MAP, nixl_error_classes, translate
 
-TARGET = pathlib.Path(__file__).with_name("_target.py")
+# NIXL refuses UCX_TLS without a CUDA transport where GPUs are present.
+TCP_ONLY = "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"
 
 # Recorded on the GPU machine (2x H200, NIXL 1.5.1, UCX 1.23; GPU.md, 2026-11):
 GIB2 = 2 << 30
@@ -93,29 +89,20 @@ def test_parse_ucx_proto_info_tables() -> None:
     assert facts.read_transports == ("cma",) and not facts.vmm_key_unsupported
 
 
-def _run_target(src, kind: str, tmp_path: pathlib.Path, env: dict[str, str],
-                refuse: bool = False) -> dict:
-    log = tmp_path / f"ucx-{len(list(tmp_path.iterdir()))}.%p.log"
-    spec = {"metadata": base64.b64encode(src.metadata).decode(),
-            "manifest": src.manifests[kind], "refuse": refuse, "ucx_log": str(log)}
-    out = subprocess.run([sys.executable, str(TARGET)], input=json.dumps(spec), capture_output=True,
-                         text=True, timeout=180,
-                         env={**__import__("os").environ, "UCX_PROTO_INFO": "y",
-                              "UCX_LOG_FILE": str(log), **env})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.nixl
 def test_real_ucx_cma_passes_and_forced_tcp_is_reported_and_refusable(source_factory,
+                                                                      target_runner,
                                                                       tmp_path) -> None:
     src = source_factory({"kinds": ["many"]})
-    good = _run_target(src, "many", tmp_path, {})
-    assert good["ok"] and good["expected"] == "cma" and "cma" in good["observed"], good
+    # The user's own UCX_PROTO_INFO=y and UCX_LOG_FILE: that file is read.
+    user = {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": str(tmp_path / "ucx.%p.log")}
+    good = target_runner([src], "many", user)["reads"][0]
+    assert good["ok"] and good["expected"] == "cma" and good["observed"] == ["cma"], good
+    assert good["transport"] == "cma" and str(tmp_path) in good["transport_detail"]
     # UCX_TLS on the target only: it can reach the source's tcp endpoint, nothing else
-    tcp = _run_target(src, "many", tmp_path, {"UCX_TLS": "tcp"})
-    assert not tcp["ok"] and tcp["observed"] == ["tcp"], tcp
+    tcp = target_runner([src], "many", {**user, "UCX_TLS": TCP_ONLY})["reads"][0]
+    assert not tcp["ok"] and tcp["observed"] == ["tcp"] and tcp["transport"] == "tcp", tcp
     assert "over tcp where cma was expected" in tcp["message"]
     assert tcp["warnings"] and "UCX_TLS" in tcp["message"]
-    refused = _run_target(src, "many", tmp_path, {"UCX_TLS": "tcp"}, refuse=True)
+    refused = target_runner([src], "many", {**user, "UCX_TLS": TCP_ONLY}, refuse=True)["reads"][0]
     assert refused.get("error") == "TransportError", refused
