@@ -53,7 +53,10 @@ class MxSettings(BaseSettings):
         "Force one NIXL region over the whole arena even where the transport cannot "
         "serve a multi-handle range. Only safe on dmabuf/InfiniBand, never on cuda_ipc.")
     nixl_backend: str = _field(
-        "UCX", "transfer", "NIXL backend plugin used for transfers.")
+        "UCX", "transfer",
+        "NIXL backend plugin of every agent modelexpress creates (publish, pull, agent, vLLM "
+        "loader): one the installed NIXL offers, e.g. UCX or LIBFABRIC. The observed "
+        "transport is read only for UCX.")
     transfer_timeout_s: float = _field(
         600.0, "transfer", "Deadline for one whole transfer, in seconds.", gt=0)
     transfer_chunk_bytes: int = _field(

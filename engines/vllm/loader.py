@@ -199,7 +199,8 @@ class MxModelLoader(BaseModelLoader):
         identity = identity_from_vllm(vllm_config, model_config,
                                       extra=self.options.identity_extra)
         report = LoadReport(identity=identity)
-        self._nixl = _EarlyManager(device) if (self.options.pull or self.options.serve) else None
+        self._nixl = (_EarlyManager(device, self._settings.nixl_backend)
+                      if self.options.pull or self.options.serve else None)
         with _vllm_config_context(vllm_config), set_default_torch_dtype(model_config.dtype), \
                 maybe_enter_vmm_arena(self._arena_wanted(device), device=device.index or 0,
                                       total_bytes=self.options.vmm_arena_bytes) as arena:
@@ -293,7 +294,8 @@ class MxModelLoader(BaseModelLoader):
                               max_attempts=settings.max_source_attempts,
                               chunk_bytes=settings.transfer_chunk_bytes,
                               refuse_slow_transport=settings.refuse_slow_transport,
-                              max_gbps=settings.transfer_max_gbps)
+                              max_gbps=settings.transfer_max_gbps,
+                              backend=settings.nixl_backend)
                 report.weights_seconds = time.perf_counter() - t0
                 report.pull_result = result
                 keep = self.options.serve_after_pull
@@ -405,7 +407,7 @@ class MxModelLoader(BaseModelLoader):
             if loaded.probe is not None:
                 attributes[_probe.ATTRIBUTE] = loaded.probe.to_json()
             handle = serve_source(identity, loaded.tensors, client=client, arena=arena,
-                                  manager=self._manager(),
+                                  manager=self._manager(), backend=self._settings.nixl_backend,
                                   heartbeat_interval_s=self._settings.heartbeat_interval_s,
                                   single_region=self._settings.arena_single_mr,
                                   digest_algorithm=loaded.digest_algorithm,
@@ -466,21 +468,21 @@ class _EarlyManager:
     (its registrations are reused), so a process creates one agent, not two.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, backend: str) -> None:
         self._manager: Any = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._create, args=(device,), daemon=True,
-                                        name="mx-nixl-agent")
+        self._thread = threading.Thread(target=self._create, args=(device, backend),
+                                        daemon=True, name="mx-nixl-agent")
         self._thread.start()
 
-    def _create(self, device: torch.device) -> None:
+    def _create(self, device: torch.device, backend: str) -> None:
         try:
             if device.type == "cuda":
                 # The current CUDA device is per thread; NIXL creates its context on it.
                 torch.cuda.set_device(device)
             from modelexpress.transfer import NixlTransferManager
 
-            self._manager = NixlTransferManager()
+            self._manager = NixlTransferManager(backend=backend)
         except BaseException as exc:  # noqa: BLE001 - re-raised where the manager is used
             self._error = exc
 

@@ -57,6 +57,7 @@ class AgentOptions:
             over TCP) instead of only warning.
         heartbeat_interval_s: heartbeat of fan-out sources.
         poll_wait_s: long-poll wait per request.
+        nixl_backend: NIXL backend plugin of the agent's pulls and sources.
     """
 
     device: str = "cpu"
@@ -72,6 +73,7 @@ class AgentOptions:
     refuse_slow_transport: bool = False
     heartbeat_interval_s: float = 5.0
     poll_wait_s: float = 10.0
+    nixl_backend: str = "UCX"
 
     @classmethod
     def from_settings(cls, settings: "MxSettings", **overrides: Any) -> "AgentOptions":
@@ -94,6 +96,7 @@ class AgentOptions:
             "max_gbps": settings.transfer_max_gbps,
             "refuse_slow_transport": settings.refuse_slow_transport,
             "heartbeat_interval_s": settings.heartbeat_interval_s,
+            "nixl_backend": settings.nixl_backend,
         }
         return cls(**{**values, **overrides})
 
@@ -234,7 +237,7 @@ class Agent(Closeable):
                           prefer=[transfer.source_id], exclude_workers=own,
                           chunk_bytes=opts.chunk_bytes,
                           refuse_slow_transport=opts.refuse_slow_transport,
-                          track=False)  # the REST-started transfer is this pull's record
+                          backend=opts.nixl_backend, track=False)  # the REST-started transfer is this pull's record
             # the final report carries the data plane's own rate (READ time only)
             reporter.send(result.bytes, total, force=True, rate_bps=result.gbps * 1e9)
         except TransferCancelledError:
@@ -301,7 +304,7 @@ class Agent(Closeable):
             handle = serve_source(identity, dest, client=self.client,
                                   worker_id=f"{self.agent_id}-fanout-{len(self.served)}",
                                   heartbeat_interval_s=self.options.heartbeat_interval_s,
-                                  guardian=True)
+                                  guardian=True, backend=self.options.nixl_backend)
         except MxError as exc:
             log.warning("could not serve the pulled weights onward: %s", exc)
             return

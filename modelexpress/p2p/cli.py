@@ -152,7 +152,8 @@ def publish(
             handle = stack.enter_context(serve_source(
                 identity, tensors, client=client, arena=arena, worker_id=worker_id,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
-                single_region=settings.arena_single_mr, guardian=True))
+                single_region=settings.arena_single_mr, guardian=True,
+                backend=settings.nixl_backend))
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             summary = {"ok": True, "source_id": handle.source_id, "worker_id": handle.worker_id,
                        "identity": identity.to_dict(), "tensors": len(tensors), "bytes": nbytes,
@@ -203,6 +204,7 @@ def pull(
                                  chunk_bytes=settings.transfer_chunk_bytes,
                                  refuse_slow_transport=settings.refuse_slow_transport,
                                  max_gbps=settings.transfer_max_gbps,
+                                 backend=settings.nixl_backend,
                                  on_destination=holder.update)
             files = save_checkpoint(holder, out)
     except MxError as exc:

@@ -139,7 +139,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                  single_region: bool = False,
                  known_digests: Mapping[str, str] | None = None,
                  attributes: Mapping[str, Any] | None = None,
-                 guardian: bool = False) -> SourceHandle:
+                 guardian: bool = False, backend: str = "UCX") -> SourceHandle:
     """Register ``tensors`` with NIXL and publish them as a READY source.
 
     Args:
@@ -165,6 +165,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         guardian: start a guardian process that marks the source STALE as soon as
             this process ends without closing it (killed; see
             :mod:`modelexpress.p2p.guardian`).
+        backend: the NIXL backend of the manager made when ``manager`` is None
+            (``MX_NIXL_BACKEND``).
 
     Returns:
         A :class:`SourceHandle`; close it to withdraw.
@@ -176,7 +178,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
     from modelexpress.transfer import NixlTransferManager
 
     owns = manager is None
-    mgr = manager or NixlTransferManager()
+    mgr = manager or NixlTransferManager(backend=backend)
     try:
         t0 = time.perf_counter()
         if arena is not None:

@@ -316,7 +316,7 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
          refuse_slow_transport: bool = False, on_destination: Callable[
              [Mapping[str, "torch.Tensor"]], None] | None = None,
          max_gbps: float = 0.0, track: bool = True, worker_id: str | None = None,
-         progress_interval_s: float = 0.5) -> PullResult:
+         progress_interval_s: float = 0.5, backend: str = "UCX") -> PullResult:
     """Pull the weights of ``identity`` from READY sources into ``dest``.
 
     Args:
@@ -354,6 +354,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         worker_id: this process's worker id in that record (default
             ``pull-<host>-<pid>-<random>``); its own sources are never candidates.
         progress_interval_s: at most one progress report per this many seconds.
+        backend: the NIXL backend of the manager made when ``manager`` is None
+            (``MX_NIXL_BACKEND``).
 
     Returns:
         A :class:`PullResult`.
@@ -403,7 +405,7 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         phases = {"control_plane": time.monotonic() - started, "agent": 0.0, "register": 0.0}
         owns = manager is None
         t0 = time.monotonic()
-        mgr = manager or NixlTransferManager()
+        mgr = manager or NixlTransferManager(backend=backend)
         phases["agent"] = time.monotonic() - t0
         puller = _Puller(client=client, manager=mgr, dest=dest or {}, allow_partial=allow_partial,
                          verify=verify, deadline=deadline, progress=report, stop=stop_signal,
