@@ -525,10 +525,11 @@ class NixlTransferManager(ClosedOnCollect):
             # Steady state: everything after the probed first chunk, which carried the
             # connection setup (a new worker's first pull must not read as a fallback).
             first_bytes, first_s = runner.first_chunk
-            verdict = assess(expected, total - first_bytes, seconds - first_s,
+            verdict = assess(expected, total - first_bytes,
+                             max(seconds - first_s - runner.held_s, 1e-9),
                              facts=facts, min_measure_bytes=probe_bytes)
         else:
-            verdict = assess(expected, total, seconds, facts=facts,
+            verdict = assess(expected, total, max(seconds - runner.held_s, 1e-9), facts=facts,
                              min_measure_bytes=min(probe_bytes, total) if total else 1,
                              cold=True)
         if probe_verdict is not None and not probe_verdict.ok and verdict.ok:

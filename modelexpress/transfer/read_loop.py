@@ -70,6 +70,7 @@ class ReadLoop:
         self.connect_s = 0.0
         self._last_log = time.monotonic()  # of the last still-waiting line
         self.first_chunk: tuple[int, float] | None = None  # (bytes, seconds) when probed
+        self.held_s = 0.0  # time spent in the caller's progress callback
         # pairs completed per chunk index
         self.by_chunk: dict[int, list[int]] = {}
         for i, c in enumerate(plan.done_after):
@@ -236,7 +237,11 @@ class ReadLoop:
                 post_more()
                 self._verify(ci)
                 if self.progress is not None:
+                    t_cb = time.perf_counter()
                     self.progress(done_bytes, total)
+                    # A caller that sleeps here (a rate cap) holds the loop: that time
+                    # is not the transport's, and must not read as a slow link.
+                    self.held_s += time.perf_counter() - t_cb
             if not plan.chunks:
                 self._verify(0)  # only zero-byte tensors: nothing to read, still "done"
             # Data-plane time: first post to the last byte landing. Digests of earlier

@@ -62,18 +62,24 @@ def test_flags_override_settings_and_unknown_ones_are_refused(
 
 @pytest.mark.nixl
 @pytest.mark.slow
-def test_an_agent_with_refuse_slow_transport_fails_a_transfer_below_the_floor(
+def test_an_agent_with_refuse_slow_transport_fails_a_transfer_that_fell_back(
         cluster: Cluster) -> None:
-    # Two agents pull the same source capped at 0.03 GB/s, below the 0.1 GB/s floor
-    # of same-host DRAM (cma), so each READ's verdict is "slow" (FLOORS_GBPS in
-    # modelexpress/transfer/transport.py). Only the environment differs: the agent
-    # with MX_REFUSE_SLOW_TRANSPORT=1 must fail its transfer, the other only warns.
-    cluster.source()
+    # Same-host DRAM should move over cma; UCX_TLS=tcp on both sides makes UCX use TCP,
+    # and its own protocol report says so, which is a fallback whatever the rate
+    # (modelexpress/transfer/transport.py). Only the environment differs between the
+    # agents: the one with MX_REFUSE_SLOW_TRANSPORT=1 must fail its transfer, the other
+    # only warns.
+    from modelexpress.checkpoint import real_model_checkpoint
+
+    tcp = {"UCX_TLS": "tcp"}
+    publisher = cluster.start(["publish", str(real_model_checkpoint()), "--model", MODEL,
+                               "--json", "--worker-id", "tcp-source"], "tcp-source", env=tcp)
+    publisher.json_line()
     c = cluster.client
-    args = ["--no-serve", "--chunk-bytes", str(2 << 20), "--max-gbps", "0.03"]
+    args = ["--no-serve", "--chunk-bytes", str(2 << 20)]
     cluster.start(["agent", "--id", "refusing", *args], "refusing",
-                  env={"MX_REFUSE_SLOW_TRANSPORT": "1"})
-    warning = cluster.start(["agent", "--id", "warning", *args], "warning")
+                  env={"MX_REFUSE_SLOW_TRANSPORT": "1", **tcp})
+    warning = cluster.start(["agent", "--id", "warning", *args], "warning", env=tcp)
     cluster.wait_for(lambda: {"refusing", "warning"} <= {a.id for a in c.list_agents()},
                      "both agents", deadline_s=180)
     identity = ModelIdentity(model=MODEL, dtype="float32")

@@ -115,3 +115,14 @@ def test_a_source_of_another_checkpoint_under_the_same_identity_is_skipped(
             skipped_bad += 1
     # With random order the bad source comes first in some pulls; each was skipped.
     assert skipped_bad <= 4
+
+
+def test_a_rate_capped_pull_is_not_reported_as_a_slow_transport(cluster: Cluster,
+                                                                reference) -> None:
+    """The cap sleeps between chunks; that time is the caller's, not the link's."""
+    cluster.source()
+    result = pull(IDENTITY, _empty_like(reference), client=cluster.client, timeout_s=120,
+                  worker_id="lib-pull-5", max_gbps=0.05, chunk_bytes=4 << 20,
+                  refuse_slow_transport=True)
+    assert result.warnings == () and result.gbps < 0.2
+    assert result.transport == "cma"  # what UCX reported for this peer
