@@ -75,28 +75,25 @@ class Cluster:
         self.client.close()
 
 
-@pytest.fixture
-def cluster(tmp_path: pathlib.Path) -> Iterator[Cluster]:
-    """A fresh SQLite server (sources go STALE after 3 s without heartbeats)."""
+def _fresh_cluster(tmp_path: pathlib.Path, stale_after_s: float) -> Iterator[Cluster]:
     server = ServerProc(f"sqlite:///{tmp_path / 'mx.db'}", tmp_path,
-                        env={"MX_STALE_AFTER_S": "3"}).start()
+                        env={"MX_STALE_AFTER_S": str(stale_after_s)}).start()
     c = Cluster(server, tmp_path)
     try:
         yield c
     finally:
         c.close()
         server.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: pathlib.Path) -> Iterator[Cluster]:
+    """A fresh SQLite server (sources go STALE after 3 s without heartbeats)."""
+    yield from _fresh_cluster(tmp_path, 3)
 
 
 @pytest.fixture
 def patient_cluster(tmp_path: pathlib.Path) -> Iterator[Cluster]:
     """A fresh SQLite server that times sources out only after 600 s: a source found
     STALE sooner was withdrawn (by itself or its guardian), not timed out."""
-    server = ServerProc(f"sqlite:///{tmp_path / 'mx.db'}", tmp_path,
-                        env={"MX_STALE_AFTER_S": "600"}).start()
-    c = Cluster(server, tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-        server.stop()
+    yield from _fresh_cluster(tmp_path, 600)
