@@ -51,7 +51,11 @@ class PullResult:
         seconds: wall time from the first READ to the last byte (validation and
             control-plane calls excluded; ``total_seconds`` includes them).
         gbps: bytes / seconds / 1e9.
-        transport: transport(s) in use as reported by the data plane.
+        transport: the transport(s) UCX reported for the READs (``cma``, ``tcp``,
+            ``cuda_ipc``, ``rc_mlx5``...; several joined with ``,``), or ``unknown``;
+            never inferred (see ``TransferResult.transport``).
+        expected_transport: the family the memory kinds and hosts call for.
+        transport_detail: where ``transport`` was read, or why it is unknown.
         descriptors: NIXL descriptors posted (after coalescing).
         tensors: tensors received.
         verified: every tensor's digest was checked and matched.
@@ -89,6 +93,8 @@ class PullResult:
     source_attributes: Mapping[str, Mapping[str, object]] = dataclasses.field(
         default_factory=dict)
     transfer_id: str | None = None
+    expected_transport: str = ""
+    transport_detail: str = ""
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
@@ -218,6 +224,14 @@ class _Tracker:
             if state == "STOPPED" and not self.stop_requested.is_set():
                 self.client.stop_transfer(self.id)  # the caller stopped it: say so first
             self.client.finish_transfer(self.id, state, error=error, bytes_done=done)
+        except ConflictError as exc:
+            if state != "SUCCEEDED":
+                log.warning("could not record transfer %s as %s: %s", self.id, state, exc)
+                return
+            # A stop asked after the last chunk won the race (the server allows one
+            # outcome); end the record as stopped rather than leave it STOPPING.
+            log.info("transfer %s was stopped as it finished: %s", self.id, exc)
+            self.finish("STOPPED", done=done)
         except MxError as exc:
             log.warning("could not record transfer %s as %s: %s", self.id, state, exc)
 
@@ -490,6 +504,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             connect_seconds=max(r.connect_seconds for _, r in results),
             source_attributes={info.id: attributes[info.id] for info, _ in results},
             transfer_id=tracker.id if tracker is not None else None,
+            expected_transport=",".join(sorted({r.expected_transport for _, r in results})),
+            transport_detail="; ".join(dict.fromkeys(r.transport_detail for _, r in results)),
             phases={k: round(v, 6) for k, v in phases.items()})
         log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s)%s",
                  identity.model, out.bytes, out.tensors, ",".join(out.source_ids), out.seconds,

@@ -34,7 +34,9 @@ def test_gpu0_source_to_gpu1_target_through_the_server(cluster: Cluster,
     result = pull(ModelIdentity.from_dict(published["identity"]), dest,
                   client=cluster.client, timeout_s=120)
     assert result.verified
-    assert result.transport != "tcp", f"VRAM went over {result.transport}: {result.warnings}"
+    used = set(result.transport.replace("+", ",").split(","))
+    assert "cuda_ipc" in used and not used & {"tcp", "unknown"}, (
+        f"VRAM went over {result.transport} ({result.transport_detail}): {result.warnings}")
     reference = load_checkpoint(ckpt)
     for name, ref in reference.items():
         assert torch.equal(dest[name].cpu().view(torch.uint8), ref.view(torch.uint8)), name
