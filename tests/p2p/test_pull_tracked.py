@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pathlib
 import threading
-import time
 
 import pytest
 import torch
