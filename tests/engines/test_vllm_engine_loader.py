@@ -22,6 +22,7 @@ import os
 import pathlib
 import re
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -159,8 +160,14 @@ def test_source_engine_stopped_with_sigterm_leaves_its_record_stale(ckpt, logs, 
         with _client(server) as client:
             assert client.get_source(source_id).state == "READY"
             code = a.stop(signal.SIGTERM, timeout=60.0)
-            # The server would time the source out only after MX_STALE_AFTER_S=600 s.
+            # vLLM SIGKILLs its worker at shutdown; the source's guardian (no longer in
+            # the engine's process tree) withdraws it a moment later. The server would
+            # time it out only after MX_STALE_AFTER_S=600 s.
+            deadline = time.monotonic() + 15.0
+            while client.get_source(source_id).state != "STALE" and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert client.get_source(source_id).state == "STALE", (code, a.log_tail())
+            assert "marking it STALE" in a.log_text(), a.log_tail()
 
 
 def test_source_killed_during_the_pull_target_loads_from_disk(ckpt, logs, server,
