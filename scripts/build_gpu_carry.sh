@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Build .whl-gpu/: the wheels the GPU machine lacks (see ../shared/GPU.md), for its
+# Python 3.12 on manylinux_2_28_x86_64, from this project's own dependency list in
+# pyproject.toml (core deps + the server, checkpoint and nixl-cu13 extras) WITH their
+# dependencies resolved, minus what that machine already has (torch, numpy, cuda-*,
+# nvidia-*, triton, cupy, safetensors, httpx, pytest and theirs). It then travels as
+#   run(carry=[".whl-gpu"], command="bash scripts/gpu_run.sh setup tests")
+# and `gpu_run.sh setup` installs it into /tmp/site. The carry plus the working tree
+# must stay under the device's 64 MiB limit; this fails if carry + working tree
+# exceed MAX_MIB (default 63: the nixl-cu13 wheel alone is 56 MiB).
+#
+# Usage: bash scripts/build_gpu_carry.sh    (PYTHON=python3, MAX_MIB=63 to override)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+MAX_MIB=${MAX_MIB:-63}
+DEST=.whl-gpu
+
+# Test-time packages the GPU tests import that the GPU machine lacks (tests/p2p
+# imports psutil at module level; pyproject's pytest `timeout` option needs
+# pytest-timeout). Small, pure or manylinux wheels.
+TEST_EXTRAS=(psutil pytest-timeout)
+
+# Requirements: read from pyproject.toml so the carry follows the project.
+mapfile -t REQS < <("$PYTHON" - <<'EOF'
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+reqs = list(p["dependencies"])
+for extra in ("server", "checkpoint", "nixl-cu13"):
+    reqs += p["optional-dependencies"][extra]
+print("\n".join(reqs))
+EOF
+)
+REQS+=("${TEST_EXTRAS[@]}")
+echo "requirements: ${REQS[*]}"
+
+rm -rf "$DEST"
+mkdir -p "$DEST"
+# Reuse a nixl wheel already downloaded into .whl/ (GPU.md's recipe): pip takes it
+# from --find-links instead of fetching ~56 MiB again.
+FIND_LINKS=()
+[ -d .whl ] && ls .whl/nixl_cu13-*.whl >/dev/null 2>&1 && FIND_LINKS=(--find-links .whl)
+
+# nixl-cu13 requires only torch and numpy, both on the GPU machine: fetch it alone
+# with --no-deps so that the resolver does not download a multi-GB torch for nothing.
+# Everything else is resolved WITH its dependencies.
+NIXL=(); OTHERS=()
+for r in "${REQS[@]}"; do
+  case "$r" in nixl*) NIXL+=("$r") ;; *) OTHERS+=("$r") ;; esac
+done
+# --isolated + empty PIP_CONSTRAINT: this machine's /etc/xdg/pip caps torch for
+# local installs; the download is for another platform and must not inherit it.
+pip_dl() {
+  PIP_CONSTRAINT= PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip download --isolated \
+    --disable-pip-version-check --only-binary=:all: \
+    --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+    "${FIND_LINKS[@]}" -d "$DEST" "$@"
+}
+[ ${#NIXL[@]} -gt 0 ] && pip_dl --no-deps "${NIXL[@]}"
+pip_dl "${OTHERS[@]}"
+
+# Drop what the GPU machine already has (GPU.md: torch 2.11+cu130, cuda-bindings,
+# cupy, numpy, safetensors, httpx, pytest) and what they pull in there.
+PRESENT=(torch numpy nvidia_* triton cuda_* cupy* fastrlock safetensors
+         filelock fsspec jinja2 markupsafe networkx sympy mpmath setuptools
+         httpx httpcore h11 anyio idna certifi sniffio
+         pytest pluggy iniconfig packaging pygments)
+for name in "${PRESENT[@]}"; do
+  for f in "$DEST"/${name}-*.whl; do
+    [ -e "$f" ] || continue
+    echo "drop (on the GPU machine): $(basename "$f")"
+    rm -f "$f"
+  done
+done
+# A wheel copied from .whl/ by --find-links is a copy, not a link: fine to carry.
+
+echo "carry $DEST:"
+ls -l "$DEST" | awk 'NR>1 {printf "  %9d  %s\n", $5, $9}'
+bytes=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+# what else travels: tracked and untracked-not-ignored files of the working tree
+tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
+echo "total: $bytes bytes ($(mib "$bytes") MiB) in $(ls "$DEST"/*.whl | wc -l) wheels;" \
+     "working tree $(mib "$tree") MiB; together $(mib $((bytes + tree))) MiB of the 64 MiB limit"
+if [ $((bytes + tree)) -gt $((MAX_MIB * 1048576)) ]; then
+  echo "ERROR: $DEST ($(mib "$bytes") MiB) + working tree ($(mib "$tree") MiB) is over" \
+       "MAX_MIB=$MAX_MIB: the device refuses a carry over 64 MiB. Drop wheels the GPU" \
+       "machine has (PRESENT above), or the nixl wheel and carry it in a separate call." >&2
+  exit 1
+fi
