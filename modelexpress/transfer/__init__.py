@@ -19,7 +19,6 @@ from modelexpress.transfer.planner import ReadPlan, plan_read
 from modelexpress.transfer.registration import Strategy, choose_arena_strategy
 from modelexpress.transfer.transport import (
     FLOORS_GBPS,
-    METRICS,
     UNKNOWN,
     TransportVerdict,
     UcxLogFacts,
@@ -34,7 +33,6 @@ __all__ = [
     "WSUM",
     "XXH3",
     "FLOORS_GBPS",
-    "METRICS",
     "Manifest",
     "NixlTransferManager",
     "ProgressCallback",

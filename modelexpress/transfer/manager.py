@@ -59,7 +59,6 @@ from modelexpress.transfer.registration import (
     regions_for_tensors,
 )
 from modelexpress.transfer.transport import (
-    METRICS,
     TransportVerdict,
     assess,
     expected_transport,
@@ -534,7 +533,6 @@ class NixlTransferManager(ClosedOnCollect):
                              cold=True)
         if probe_verdict is not None and not probe_verdict.ok and verdict.ok:
             verdict = probe_verdict
-        METRICS.record(verdict)
         if not verdict.ok:
             log.warning("slow transport from peer %s: %s", peer, verdict.message)
             warnings.append(verdict.message)

@@ -25,7 +25,7 @@ from modelexpress.errors import (
 )
 from modelexpress.transfer import digest as _digest
 from modelexpress.transfer.planner import ReadPlan
-from modelexpress.transfer.transport import METRICS, TransportVerdict, assess
+from modelexpress.transfer.transport import TransportVerdict, assess
 
 if TYPE_CHECKING:
     from modelexpress.transfer.manager import NixlTransferManager
@@ -228,7 +228,6 @@ class ReadLoop:
                                            min_measure_bytes=min(self.probe_bytes, c.nbytes),
                                            cold=True)
                     if not probe_verdict.ok and self.refuse:
-                        METRICS.record(probe_verdict)
                         raise TransportError(f"transfer from {peer} refused after a "
                                              f"{c.nbytes}-byte probe: {probe_verdict.message}")
                 # Refill the window before verifying: digests of this chunk then run

@@ -17,24 +17,32 @@ correct data and no NIXL error (GPU.md). That must never pass silently. The sign
    should use, so the message can say what to change.
 
 :func:`assess` turns these into a :class:`TransportVerdict`; the manager attaches it
-to every transfer result, logs a warning, counts it in :data:`METRICS`, and raises
+to every transfer result, logs a warning, and raises
 :class:`~modelexpress.errors.TransportError` when the caller refuses slow transports.
+
+Counting: the verdicts of a worker process are not counted here (counters in a worker
+are invisible to an operator). Each transfer's target reports its outcome (transport,
+rate, verdict: :data:`VERDICT_OK` / :data:`VERDICT_SLOW`, or :data:`UNKNOWN`) with
+``MxClient.finish_transfer(..., outcome=...)``; the server's ``/metrics`` exports them
+(``mx_transfer_verdicts_total`` and friends, ``server/metrics.py``).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import threading
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COLD_FLOOR_GBPS", "FLOORS_GBPS", "METRICS", "UNKNOWN", "TransportMetrics",
+__all__ = ["COLD_FLOOR_GBPS", "FLOORS_GBPS", "UNKNOWN", "VERDICT_OK", "VERDICT_SLOW",
            "TransportVerdict", "UcxLogFacts", "assess", "expected_transport"]
 
 # What a result says when UCX's report did not show the transport.
 UNKNOWN = "unknown"
+# The rate verdict's names on the wire (a transfer's reported outcome, the server's
+# metrics); UNKNOWN when the transfer ended before a verdict was reached.
+VERDICT_OK = "ok"
+VERDICT_SLOW = "slow"
 
 # Lowest rate (GB/s) a READ on each transport may show before we call it a fallback.
 # Far below the measured rates on purpose, so a loaded machine never trips it, yet
@@ -136,6 +144,11 @@ class TransportVerdict:
         """The UCX transport(s) observed, ``+``-joined, or :data:`UNKNOWN`."""
         return "+".join(self.transports) if self.transports else UNKNOWN
 
+    @property
+    def name(self) -> str:
+        """The verdict on the wire: :data:`VERDICT_OK` or :data:`VERDICT_SLOW`."""
+        return VERDICT_OK if self.ok else VERDICT_SLOW
+
 
 def _advice(expected: str, vmm: bool) -> str:
     if expected == "cuda_ipc" or vmm:
@@ -197,26 +210,3 @@ def assess(expected: str, nbytes: int, seconds: float, *,
                "most likely fell back to TCP. " + _advice(expected, False))
         return TransportVerdict(False, expected, observed, gbps, floor, msg, tls)
     return TransportVerdict(True, expected, observed, gbps, floor, f"{name} at {rate}", tls)
-
-
-class TransportMetrics:
-    """Process-wide counters of transport verdicts, by (expected, outcome).
-
-    Kept dependency-free; the server's ``/metrics`` exports :meth:`snapshot`.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: collections.Counter[tuple[str, str]] = collections.Counter()
-
-    def record(self, verdict: TransportVerdict) -> None:
-        with self._lock:
-            self._counts[(verdict.expected, "ok" if verdict.ok else "slow")] += 1
-
-    def snapshot(self) -> dict[tuple[str, str], int]:
-        """``{(expected_transport, "ok"|"slow"): count}``."""
-        with self._lock:
-            return dict(self._counts)
-
-
-METRICS = TransportMetrics()
