@@ -57,7 +57,7 @@ def register() -> None:
                 prefault=settings.shm_arena_prefault,
             )
         _registered = True
-    log.debug("modelexpress vLLM plugin registered (shm arena: %s)", settings.shm_tensor_arena)
+    log.debug("modelexpress vLLM plugin registered (shm tensor arena: %s)", settings.shm_tensor_arena)
 
 
 def _configure_logging(level: str) -> None:

