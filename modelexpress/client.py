@@ -30,6 +30,7 @@ import time
 from typing import Any, Literal
 
 import httpx
+import pydantic
 
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import (
@@ -38,8 +39,10 @@ from modelexpress.errors import (
 )
 from modelexpress.identity import ModelIdentity
 from modelexpress.settings import MxSettings
+from modelexpress.wire import TransferOutcome
 
-__all__ = ["MxClient", "SourceInfo", "TransferInfo", "ProgressReply", "AgentInfo"]
+__all__ = ["MxClient", "SourceInfo", "TransferInfo", "ProgressReply", "AgentInfo",
+           "TransferOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,20 @@ def _pick(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     # Tolerate fields a newer server adds: keep only what this client knows.
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in data.items() if k in names}
+
+
+def _outcome_json(outcome: dict[str, Any] | TransferOutcome) -> dict[str, Any]:
+    if isinstance(outcome, TransferOutcome):
+        return outcome.model_dump(mode="json")
+    unknown = set(outcome) - set(TransferOutcome.model_fields)
+    if unknown:
+        raise ValidationError(f"outcome: unknown key(s) {sorted(unknown)}; allowed: "
+                              f"{sorted(TransferOutcome.model_fields)}")
+    try:
+        return TransferOutcome.model_validate(outcome).model_dump(mode="json")
+    except pydantic.ValidationError as exc:
+        raise ValidationError(f"outcome: {exc.errors()[0]['loc']}: "
+                              f"{exc.errors()[0]['msg']}") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +126,15 @@ class TransferInfo:
     finished_at: float | None
     run_by_target: bool = False
     candidates: tuple[str, ...] = ()
+    outcome: TransferOutcome | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TransferInfo":
         fields = _pick(cls, data)
         if "candidates" in fields:
             fields["candidates"] = tuple(fields["candidates"])
+        if fields.get("outcome") is not None:
+            fields["outcome"] = TransferOutcome.model_validate(fields["outcome"])
         return cls(**fields)
 
 
@@ -402,17 +422,30 @@ class MxClient(ClosedOnCollect):
 
     def finish_transfer(self, transfer_id: str,
                         state: Literal["SUCCEEDED", "FAILED", "STOPPED"], *,
-                        error: str | None = None, bytes_done: int | None = None
+                        error: str | None = None, bytes_done: int | None = None,
+                        outcome: dict[str, Any] | TransferOutcome | None = None
                         ) -> TransferInfo:
         """The worker's final report.
 
+        Args:
+            error: why it failed (FAILED), or None.
+            bytes_done: final byte count, when the last progress report is behind it.
+            outcome: how it went, for the record and the server's metrics: keys of
+                :class:`~modelexpress.wire.TransferOutcome` (``transport`` UCX used,
+                ``rate_bps``, ``verdict`` ok/slow/unknown, ``data_plane_s``,
+                ``total_s``); omitted keys take its defaults.
+
         Raises:
+            ValidationError: ``outcome`` has an unknown key or a value out of range
+                (checked here, before anything is sent).
             ConflictError: illegal, e.g. SUCCEEDED after a stop was asked (the stop
                 won), or STOPPED when no stop was asked.
         """
+        body: dict[str, Any] = {"state": state, "error": error, "bytes_done": bytes_done}
+        if outcome is not None:
+            body["outcome"] = _outcome_json(outcome)
         return TransferInfo.from_json(self._request(
-            "POST", f"/v1/transfers/{transfer_id}/finish",
-            json={"state": state, "error": error, "bytes_done": bytes_done}))
+            "POST", f"/v1/transfers/{transfer_id}/finish", json=body))
 
     def stop_transfer(self, transfer_id: str) -> TransferInfo:
         """Ask a transfer to stop (STOPPING; STOPPED at once if no agent claimed it).

@@ -205,11 +205,13 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
     token = settings.server_token.get_secret_value() if settings.server_token else None
     owned = store is None
     the_store: Store = store if store is not None else open_store(settings.store)
+    metrics = Metrics()
     cp = ControlPlane(the_store, stale_after_s=settings.stale_after_s,
                       gc_after_s=settings.gc_after_s,
                       max_manifest_bytes=settings.server_max_manifest_bytes,
-                      default_policy=settings.source_policy)
-    metrics = Metrics(cp.counts)
+                      default_policy=settings.source_policy,
+                      on_finish=metrics.transfer_finished)
+    metrics.watch_states(cp.counts)
     wakeup = _Wakeup()
     sweep_every = max(0.2, min(settings.stale_after_s / 3, 10.0))
 
@@ -279,7 +281,8 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
     @app.get("/metrics", tags=["meta"], response_class=Response,
              responses={200: {"content": {"text/plain": {}}}})
     def prometheus() -> Response:
-        """Prometheus exposition: mx_sources, mx_transfers, mx_http_request_seconds."""
+        """Prometheus exposition: sources and transfers by state, request latency, and the
+        outcomes workers reported (mx_transfer_* counters and histograms)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     # --- sources -----------------------------------------------------------------
@@ -373,7 +376,9 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
               tags=["transfers"])
     def finish(transfer_id: TransferPath, body: FinishIn) -> Any:
         """Final state from the worker. STOPPED only after a stop was asked."""
-        return cp.finish(transfer_id, TransferState(body.state), body.error, body.bytes_done)
+        outcome = body.outcome.model_dump() if body.outcome is not None else None
+        return cp.finish(transfer_id, TransferState(body.state), body.error, body.bytes_done,
+                         outcome)
 
     @app.post("/v1/transfers/{transfer_id}/stop", response_model=TransferOut,
               tags=["transfers"])

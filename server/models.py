@@ -17,10 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 from modelexpress.identity import ModelIdentity
 from modelexpress.server.states import SourceState, TransferState
+from modelexpress.wire import TransferOutcome
 
 __all__ = [
     "WorkerId", "EntityId", "IdentityIn", "SourcePublish", "SourceOut", "SourceDetail",
     "HeartbeatIn", "TransferCreate", "TransferOut", "ProgressIn", "ProgressOut", "FinishIn",
+    "TransferOutcomeIn",
     "AgentRegister", "AgentOut", "AssignmentsOut", "HealthOut", "ErrorOut",
     "MAX_METADATA_B64",
 ]
@@ -172,6 +174,9 @@ class TransferOut(_Out):
         default_factory=list,
         description="READY sources in the order the target should try them, chosen "
                     "source first (fixed when the transfer was created).")
+    outcome: TransferOutcome | None = Field(
+        None, description="How it went, as the target reported in its finish (transport, "
+                          "rate, verdict, seconds); null until then or when not reported.")
 
 
 class ProgressIn(_Model):
@@ -200,12 +205,21 @@ class ProgressOut(_Out):
     stop: bool
 
 
+class TransferOutcomeIn(TransferOutcome):
+    """A :class:`~modelexpress.wire.TransferOutcome` in a request: unknown keys are a 422."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class FinishIn(_Model):
     """``POST /v1/transfers/{id}/finish``: the worker's final word."""
 
     state: Literal[TransferState.SUCCEEDED, TransferState.FAILED, TransferState.STOPPED]
     error: Annotated[str, StringConstraints(max_length=8192)] | None = None
     bytes_done: Count | None = None
+    outcome: TransferOutcomeIn | None = Field(
+        None, description="How the transfer went (transport UCX used, rate, verdict, "
+                          "seconds); the server stores it and exports it in /metrics.")
 
 
 class AgentRegister(_Model):

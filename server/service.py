@@ -52,17 +52,21 @@ class ControlPlane:
         max_manifest_bytes: largest manifest (as compact JSON) a source may publish.
         default_policy: ``random`` or ``spread`` when a transfer names no source.
         clock: wall-clock seconds; tests pass a fake to age records.
+        on_finish: called with the record each time a finish report moves a transfer
+            to its final state (the app's metrics count outcomes with it).
     """
 
     def __init__(self, store: Store, *, stale_after_s: float, gc_after_s: float,
                  max_manifest_bytes: int, default_policy: str = "random",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 on_finish: Callable[[Record], None] = lambda record: None) -> None:
         self.store = store
         self.stale_after_s = stale_after_s
         self.gc_after_s = gc_after_s
         self.max_manifest_bytes = max_manifest_bytes
         self.default_policy = default_policy
         self.clock = clock
+        self.on_finish = on_finish
         self._rng = random.Random()
 
     # --- sources -------------------------------------------------------------
@@ -248,7 +252,7 @@ class ControlPlane:
             "bytes_done": 0, "bytes_total": 0, "rate_bps": 0.0, "error": None,
             "stop_requested": False, "claimed": run_by_target, "restarts": 0,
             "created_at": now, "updated_at": now, "started_at": None, "finished_at": None,
-            "run_by_target": run_by_target, "candidates": candidates,
+            "run_by_target": run_by_target, "candidates": candidates, "outcome": None,
         }
         self.store.create("transfers", record)
         log.info("transfer %s created: %s from %s to %s", record["id"], identity_id,
@@ -307,27 +311,40 @@ class ControlPlane:
         return self._move(transfer_id, step)
 
     def finish(self, transfer_id: str, state: TransferState, error: str | None,
-               bytes_done: int | None) -> Record:
+               bytes_done: int | None, outcome: dict[str, Any] | None = None) -> Record:
         """The worker's final report. Repeating the same final state is a no-op
         (so a client may retry a finish whose reply was lost).
+
+        Args:
+            outcome: how it went (``modelexpress.wire.TransferOutcome`` as a dict);
+                stored on the record and passed to ``on_finish`` (the metrics).
 
         Raises:
             ConflictError: illegal move, e.g. SUCCEEDED after a stop was asked.
         """
         now = self.clock()
+        moved = False
 
         def end(t: Record) -> Record:
+            nonlocal moved  # fn may run again after a concurrent write: the last run counts
             old = _T(t["state"])
-            if old is state:
+            moved = old is not state
+            if not moved:
                 return t
             check_transfer_move(transfer_id, old, state)
             return {**t, "state": state.value, "updated_at": now, "finished_at": now,
                     "error": error if state is not _T.SUCCEEDED else None,
-                    "bytes_done": t["bytes_done"] if bytes_done is None else bytes_done}
+                    "bytes_done": t["bytes_done"] if bytes_done is None else bytes_done,
+                    "outcome": outcome}
 
         rec = self._move(transfer_id, end)
-        log.info("transfer %s finished: %s%s", transfer_id, state.value,
-                 f" ({error})" if error else "")
+        if moved:
+            # Once per transfer and final state: a retried finish is not counted twice.
+            self.on_finish(rec)
+        log.info("transfer %s finished: %s%s%s", transfer_id, state.value,
+                 f" ({error})" if error else "",
+                 f" over {outcome['transport']}, verdict {outcome['verdict']}"
+                 if outcome else "")
         return rec
 
     def stop(self, transfer_id: str) -> Record:
@@ -376,7 +393,7 @@ class ControlPlane:
             check_transfer_move(transfer_id, _T(t["state"]), _T.PENDING)
             return {**t, "state": _T.PENDING.value, "bytes_done": 0, "rate_bps": 0.0,
                     "error": None, "stop_requested": False, "claimed": False,
-                    "restarts": t["restarts"] + 1, "updated_at": now, "started_at": None,
+                    "outcome": None, "restarts": t["restarts"] + 1, "updated_at": now, "started_at": None,
                     "finished_at": None, "source_id": src["id"],
                     "source_worker": src["worker_id"], "source_endpoint": src["endpoint"]}
 
