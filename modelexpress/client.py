@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import random
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 import pydantic
@@ -39,7 +39,10 @@ from modelexpress.errors import (
 )
 from modelexpress.identity import ModelIdentity
 from modelexpress.settings import MxSettings
-from modelexpress.wire import TransferOutcome
+from modelexpress.wire import (
+    AgentInfo, AssignmentsReply, ProgressReply, SourceInfo, TransferInfo,
+    TransferOutcome,
+)
 
 __all__ = ["MxClient", "SourceInfo", "TransferInfo", "ProgressReply", "AgentInfo",
            "TransferOutcome"]
@@ -51,115 +54,32 @@ _BACKOFF_CAP_S = 2.0
 _RETRY_STATUS = frozenset({502, 503, 504})
 
 
-def _pick(cls: type, data: dict[str, Any]) -> dict[str, Any]:
-    # Tolerate fields a newer server adds: keep only what this client knows.
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in data.items() if k in names}
-
-
 def _outcome_json(outcome: dict[str, Any] | TransferOutcome) -> dict[str, Any]:
     if isinstance(outcome, TransferOutcome):
-        return outcome.model_dump(mode="json")
-    unknown = set(outcome) - set(TransferOutcome.model_fields)
+        return dataclasses.asdict(outcome)
+    unknown = set(outcome) - {f.name for f in dataclasses.fields(TransferOutcome)}
     if unknown:
         raise ValidationError(f"outcome: unknown key(s) {sorted(unknown)}; allowed: "
-                              f"{sorted(TransferOutcome.model_fields)}")
+                              f"{[f.name for f in dataclasses.fields(TransferOutcome)]}")
     try:
-        return TransferOutcome.model_validate(outcome).model_dump(mode="json")
+        return dataclasses.asdict(TransferOutcome.from_json(outcome))
     except pydantic.ValidationError as exc:
-        raise ValidationError(f"outcome: {exc.errors()[0]['loc']}: "
-                              f"{exc.errors()[0]['msg']}") from exc
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValidationError(f"outcome.{where}: {first['msg']}") from exc
 
 
-@dataclasses.dataclass(frozen=True)
-class SourceInfo:
-    """A published source. ``manifest`` and ``agent_metadata`` are set only by
-    :meth:`MxClient.get_source` (lists leave them out)."""
-
-    id: str
-    identity_id: str
-    identity: dict[str, Any]
-    worker_id: str
-    endpoint: str
-    state: str
-    created_at: float
-    updated_at: float
-    last_heartbeat: float
-    manifest_bytes: int
-    manifest: dict[str, Any] | None = None
-    agent_metadata: bytes | None = None
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "SourceInfo":
-        fields = _pick(cls, data)
-        if "agent_metadata" in fields:
-            fields["agent_metadata"] = base64.b64decode(fields["agent_metadata"])
-        return cls(**fields)
-
-    @property
-    def model_identity(self) -> ModelIdentity:
-        """The identity as our dataclass."""
-        return ModelIdentity.from_dict(self.identity)
+_R = TypeVar("_R")
 
 
-@dataclasses.dataclass(frozen=True)
-class TransferInfo:
-    """A transfer record as the server holds it."""
-
-    id: str
-    identity_id: str
-    target_worker: str
-    source_id: str
-    source_worker: str
-    source_endpoint: str
-    state: str
-    bytes_done: int
-    bytes_total: int
-    rate_bps: float
-    error: str | None
-    stop_requested: bool
-    claimed: bool
-    restarts: int
-    created_at: float
-    updated_at: float
-    started_at: float | None
-    finished_at: float | None
-    run_by_target: bool = False
-    candidates: tuple[str, ...] = ()
-    outcome: TransferOutcome | None = None
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "TransferInfo":
-        fields = _pick(cls, data)
-        if "candidates" in fields:
-            fields["candidates"] = tuple(fields["candidates"])
-        if fields.get("outcome") is not None:
-            fields["outcome"] = TransferOutcome.model_validate(fields["outcome"])
-        return cls(**fields)
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgressReply:
-    """Reply to :meth:`MxClient.report_progress`. ``stop``: abort at the next chunk,
-    then call :meth:`MxClient.finish_transfer` with ``"STOPPED"``."""
-
-    transfer: TransferInfo
-    stop: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentInfo:
-    """A registered agent (a worker that runs REST-started transfers)."""
-
-    id: str
-    endpoint: str
-    labels: dict[str, str]
-    registered_at: float
-    last_seen: float
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "AgentInfo":
-        return cls(**_pick(cls, data))
+def _reply(cls: type[_R], data: Any) -> _R:
+    # A reply that does not fit the wire model is the server's fault (or a proxy's), not
+    # the caller's: one error of our tree that names the model, never a pydantic error.
+    try:
+        return cls.from_json(data)  # type: ignore[attr-defined, no-any-return]
+    except pydantic.ValidationError as exc:
+        raise ControlPlaneError(f"unexpected reply from the control plane: not a "
+                                f"{cls.__name__}: {exc.errors()[0]}") from exc
 
 
 class MxClient(ClosedOnCollect):
@@ -308,7 +228,7 @@ class MxClient(ClosedOnCollect):
         body = {"identity": identity.to_dict(), "worker_id": worker_id, "endpoint": endpoint,
                 "agent_metadata": base64.b64encode(agent_metadata).decode(),
                 "manifest": manifest, "state": state}
-        return SourceInfo.from_json(self._request("PUT", "/v1/sources", json=body))
+        return _reply(SourceInfo, self._request("PUT", "/v1/sources", json=body))
 
     def heartbeat(self, source_id: str,
                   state: Literal["INITIALIZING", "READY", "STALE"] | None = None) -> SourceInfo:
@@ -318,7 +238,7 @@ class MxClient(ClosedOnCollect):
             NotFoundError: the record was collected (stale too long): publish again.
             ConflictError: illegal move (e.g. READY -> INITIALIZING).
         """
-        return SourceInfo.from_json(self._request(
+        return _reply(SourceInfo, self._request(
             "POST", f"/v1/sources/{source_id}/heartbeat", json={"state": state}))
 
     def mark_stale(self, source_id: str) -> SourceInfo:
@@ -331,7 +251,7 @@ class MxClient(ClosedOnCollect):
         Raises:
             NotFoundError: no such source.
         """
-        return SourceInfo.from_json(self._request("GET", f"/v1/sources/{source_id}"))
+        return _reply(SourceInfo, self._request("GET", f"/v1/sources/{source_id}"))
 
     def list_sources(self, *, model: str | None = None, revision: str | None = None,
                      state: str | None = None, rank: int | None = None,
@@ -342,7 +262,7 @@ class MxClient(ClosedOnCollect):
         rows = self._request("GET", "/v1/sources", params={
             "model": model, "revision": revision, "state": state, "rank": rank,
             "identity_id": ident, "worker_id": worker_id})
-        return [SourceInfo.from_json(r) for r in rows]
+        return [_reply(SourceInfo, r) for r in rows]
 
     def delete_source(self, source_id: str) -> None:
         """Delete a source. Raises NotFoundError when it does not exist."""
@@ -368,7 +288,7 @@ class MxClient(ClosedOnCollect):
             NotFoundError: the named source does not exist.
         """
         ident = identity.id if isinstance(identity, ModelIdentity) else identity
-        return TransferInfo.from_json(self._request(
+        return _reply(TransferInfo, self._request(
             "POST", "/v1/transfers", idempotent=False,
             json={"identity_id": ident, "target_worker": target_worker,
                   "source_id": source_id, "policy": policy,
@@ -386,11 +306,11 @@ class MxClient(ClosedOnCollect):
         ident = identity.id if isinstance(identity, ModelIdentity) else identity
         rows = self._request("GET", f"/v1/identities/{ident}/candidates",
                              params={"policy": policy, "exclude_worker": exclude_worker})
-        return [SourceInfo.from_json(r) for r in rows]
+        return [_reply(SourceInfo, r) for r in rows]
 
     def get_transfer(self, transfer_id: str) -> TransferInfo:
         """One transfer. Raises NotFoundError for an unknown id."""
-        return TransferInfo.from_json(self._request("GET", f"/v1/transfers/{transfer_id}"))
+        return _reply(TransferInfo, self._request("GET", f"/v1/transfers/{transfer_id}"))
 
     def list_transfers(self, *, state: str | None = None, target_worker: str | None = None,
                        identity: ModelIdentity | str | None = None) -> list[TransferInfo]:
@@ -398,7 +318,7 @@ class MxClient(ClosedOnCollect):
         ident = identity.id if isinstance(identity, ModelIdentity) else identity
         rows = self._request("GET", "/v1/transfers", params={
             "state": state, "target_worker": target_worker, "identity_id": ident})
-        return [TransferInfo.from_json(r) for r in rows]
+        return [_reply(TransferInfo, r) for r in rows]
 
     def report_progress(self, transfer_id: str, bytes_done: int, bytes_total: int,
                         rate_bps: float = 0.0, source_id: str | None = None) -> ProgressReply:
@@ -418,7 +338,7 @@ class MxClient(ClosedOnCollect):
         data = self._request("POST", f"/v1/transfers/{transfer_id}/progress",
                              json={"bytes_done": bytes_done, "bytes_total": bytes_total,
                                    "rate_bps": rate_bps, "source_id": source_id})
-        return ProgressReply(TransferInfo.from_json(data["transfer"]), bool(data["stop"]))
+        return _reply(ProgressReply, data)
 
     def finish_transfer(self, transfer_id: str,
                         state: Literal["SUCCEEDED", "FAILED", "STOPPED"], *,
@@ -444,7 +364,7 @@ class MxClient(ClosedOnCollect):
         body: dict[str, Any] = {"state": state, "error": error, "bytes_done": bytes_done}
         if outcome is not None:
             body["outcome"] = _outcome_json(outcome)
-        return TransferInfo.from_json(self._request(
+        return _reply(TransferInfo, self._request(
             "POST", f"/v1/transfers/{transfer_id}/finish", json=body))
 
     def stop_transfer(self, transfer_id: str) -> TransferInfo:
@@ -453,7 +373,7 @@ class MxClient(ClosedOnCollect):
         Raises:
             ConflictError: it already SUCCEEDED or FAILED.
         """
-        return TransferInfo.from_json(self._request("POST", f"/v1/transfers/{transfer_id}/stop"))
+        return _reply(TransferInfo, self._request("POST", f"/v1/transfers/{transfer_id}/stop"))
 
     def restart_transfer(self, transfer_id: str) -> TransferInfo:
         """Put a STOPPED or FAILED transfer back to PENDING (same id).
@@ -461,7 +381,7 @@ class MxClient(ClosedOnCollect):
         Raises:
             ConflictError: not STOPPED/FAILED, or no READY source left.
         """
-        return TransferInfo.from_json(self._request(
+        return _reply(TransferInfo, self._request(
             "POST", f"/v1/transfers/{transfer_id}/restart"))
 
     # --- agents ------------------------------------------------------------------
@@ -469,13 +389,13 @@ class MxClient(ClosedOnCollect):
                        labels: dict[str, str] | None = None) -> AgentInfo:
         """Register a worker that runs REST-started transfers. Re-registering (after
         a restart) releases the transfers it claimed but never started."""
-        return AgentInfo.from_json(self._request(
+        return _reply(AgentInfo, self._request(
             "PUT", f"/v1/agents/{agent_id}", json={"endpoint": endpoint,
                                                    "labels": labels or {}}))
 
     def list_agents(self) -> list[AgentInfo]:
         """Every registered agent."""
-        return [AgentInfo.from_json(r) for r in self._request("GET", "/v1/agents")]
+        return [_reply(AgentInfo, r) for r in self._request("GET", "/v1/agents")]
 
     def poll_assignments(self, agent_id: str, wait_s: float = 30.0) -> list[TransferInfo]:
         """Long poll: claim new PENDING transfers for ``agent_id``, waiting up to
@@ -489,4 +409,4 @@ class MxClient(ClosedOnCollect):
                              # a repeat after a lost reply would miss what the first
                              # claimed; the agent re-registers instead (releases claims)
                              idempotent=False)
-        return [TransferInfo.from_json(t) for t in data["transfers"]]
+        return _reply(AssignmentsReply, data).transfers

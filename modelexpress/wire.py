@@ -1,26 +1,55 @@
 """What the control plane sends back, defined once for the server and the client.
 
 The server (``modelexpress.server.models``) declares these as its response models and
-the client (:mod:`modelexpress.client`) parses replies with them, so one field added
+the client (:mod:`modelexpress.client`) parses replies with them, so a field added
 here reaches both ends. Only pydantic (a core dependency) is imported: a worker that
 never runs the server does not need FastAPI.
+
+They are pydantic dataclasses, frozen: callers read attributes, compare records, and
+use ``dataclasses.asdict`` on them (the CLI's ``--json`` output), as they did when
+the client declared its own plain dataclasses. Parse a reply with
+``SourceInfo.from_json(data)`` (or ``pydantic.TypeAdapter(SourceInfo)``).
 
 Replies ignore keys they do not declare instead of failing: a record written by a
 newer server version (a shared Redis during a rolling upgrade), or a newer server
 answering an older client, must not break the reader.
 
-The request bodies (what a client sends and the server validates strictly) stay in
-``modelexpress.server.models``; :class:`TransferOutcome` lives here because it travels
-both ways (a worker's finish report, and the record's ``outcome`` field).
+Request bodies (what a client sends and the server validates strictly, with bounds)
+stay in ``modelexpress.server.models``. :class:`TransferOutcome` is here because it
+travels both ways: in a worker's finish report and in the record's ``outcome``.
+
+Sources come in three shapes over one set of fields::
+
+    SourceSummary            lists, publish and heartbeat replies
+      +-- SourceDetail       GET /v1/sources/{id}: + manifest, agent_metadata (required)
+      +-- SourceInfo         what the client returns for all of them (detail optional)
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import base64
+import binascii
+import functools
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BeforeValidator, ConfigDict, Field, PlainSerializer, StringConstraints, TypeAdapter
+from pydantic.dataclasses import dataclass
 
-__all__ = ["TransferOutcome", "TRANSPORT_PATTERN", "VERDICTS"]
+from modelexpress.identity import ModelIdentity
+
+__all__ = [
+    "SOURCE_STATES", "TRANSFER_STATES", "TRANSPORT_PATTERN", "VERDICTS",
+    "SourceStateName", "TransferStateName",
+    "TransferOutcome", "SourceSummary", "SourceInfo", "SourceDetail", "TransferInfo",
+    "ProgressReply", "AgentInfo", "AssignmentsReply", "HealthReply", "ErrorReply",
+]
+
+SourceStateName = Literal["INITIALIZING", "READY", "STALE"]
+"""A source's state on the wire (``modelexpress.server.states.SourceState`` values)."""
+TransferStateName = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPING", "STOPPED"]
+"""A transfer's state on the wire (``modelexpress.server.states.TransferState`` values)."""
+SOURCE_STATES: tuple[str, ...] = SourceStateName.__args__  # type: ignore[attr-defined]
+TRANSFER_STATES: tuple[str, ...] = TransferStateName.__args__  # type: ignore[attr-defined]
 
 TRANSPORT_PATTERN = r"^[A-Za-z0-9_]{1,32}(\+[A-Za-z0-9_]{1,32}){0,15}$"
 """UCX transport names as a result reports them: ``cma``, ``rc_mlx5``, ``cma+tcp``, ``unknown``."""
@@ -28,10 +57,47 @@ TRANSPORT_PATTERN = r"^[A-Za-z0-9_]{1,32}(\+[A-Za-z0-9_]{1,32}){0,15}$"
 VERDICTS = ("ok", "slow", "unknown")
 """Rate verdicts (``modelexpress.transfer.transport``: VERDICT_OK, VERDICT_SLOW, UNKNOWN)."""
 
+_REPLY = ConfigDict(extra="ignore")
 _Seconds = Annotated[float, Field(ge=0, le=1e7, allow_inf_nan=False)]
+_T = TypeVar("_T")
 
 
-class TransferOutcome(BaseModel):
+def _b64decode(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"not valid base64: {exc}") from exc
+    return value
+
+
+Base64Bytes = Annotated[
+    bytes, BeforeValidator(_b64decode),
+    PlainSerializer(lambda raw: base64.b64encode(raw).decode("ascii"), return_type=str,
+                    when_used="json")]
+"""Bytes in Python, standard padded base64 (no line breaks) in JSON."""
+
+
+@functools.cache
+def _adapter(cls: type[_T]) -> TypeAdapter[_T]:
+    return TypeAdapter(cls)
+
+
+class _Parse:
+    """``from_json``: build the record from a decoded JSON reply (unknown keys ignored)."""
+
+    @classmethod
+    def from_json(cls: type[_T], data: Any) -> _T:
+        """Validate ``data`` (a decoded JSON object) into this record.
+
+        Raises:
+            pydantic.ValidationError: a field is missing or has the wrong type.
+        """
+        return _adapter(cls).validate_python(data)
+
+
+@dataclass(frozen=True, config=_REPLY)
+class TransferOutcome(_Parse):
     """How a finished transfer went, as its target observed it.
 
     Attributes:
@@ -46,12 +112,120 @@ class TransferOutcome(BaseModel):
             None when the reporter does not know.
     """
 
-    # Lenient like every reply; the server's request body (FinishIn) uses a strict
-    # subclass, so a report with a misspelled key is a 422 there.
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
     transport: Annotated[str, StringConstraints(pattern=TRANSPORT_PATTERN)] = "unknown"
     rate_bps: Annotated[float, Field(ge=0, le=1e15, allow_inf_nan=False)] = 0.0
     verdict: Literal["ok", "slow", "unknown"] = "unknown"
     data_plane_s: _Seconds = 0.0
     total_s: _Seconds | None = None
+
+
+@dataclass(frozen=True, config=_REPLY)
+class SourceSummary(_Parse):
+    """A published source: one worker rank holding one identity (no manifest)."""
+
+    id: str
+    identity_id: str
+    identity: dict[str, Any]
+    worker_id: str
+    endpoint: str
+    state: SourceStateName
+    created_at: float
+    updated_at: float
+    last_heartbeat: float
+    manifest_bytes: int
+
+    @property
+    def model_identity(self) -> ModelIdentity:
+        """The identity as our dataclass."""
+        return ModelIdentity.from_dict(self.identity)
+
+
+@dataclass(frozen=True, config=_REPLY)
+class SourceDetail(SourceSummary):
+    """A source with its manifest and NIXL agent metadata (``GET /v1/sources/{id}``)."""
+
+    manifest: dict[str, Any]
+    agent_metadata: Base64Bytes
+
+
+@dataclass(frozen=True, config=_REPLY)
+class SourceInfo(SourceSummary):
+    """A source as the client returns it. ``manifest`` and ``agent_metadata`` (bytes)
+    are set only by ``MxClient.get_source`` (lists leave them out)."""
+
+    manifest: dict[str, Any] | None = None
+    agent_metadata: Base64Bytes | None = None
+
+
+@dataclass(frozen=True, config=_REPLY)
+class TransferInfo(_Parse):
+    """A transfer record as the server holds it."""
+
+    id: str
+    identity_id: str
+    target_worker: str
+    source_id: str
+    source_worker: str
+    source_endpoint: str
+    state: TransferStateName
+    bytes_done: int
+    bytes_total: int
+    rate_bps: float
+    error: str | None
+    stop_requested: bool
+    claimed: bool
+    restarts: int
+    created_at: float
+    updated_at: float
+    started_at: float | None
+    finished_at: float | None
+    run_by_target: bool = False
+    candidates: tuple[str, ...] = Field(
+        (), description="READY sources in the order the target should try them, chosen "
+                        "source first (fixed when the transfer was created).")
+    outcome: TransferOutcome | None = Field(
+        None, description="How it went, as the target reported in its finish (transport, "
+                          "rate, verdict, seconds); null until then or when not reported.")
+
+
+@dataclass(frozen=True, config=_REPLY)
+class ProgressReply(_Parse):
+    """Reply to a progress report. ``stop``: abort at the next chunk, then finish the
+    transfer with ``"STOPPED"``."""
+
+    transfer: TransferInfo
+    stop: bool
+
+
+@dataclass(frozen=True, config=_REPLY)
+class AgentInfo(_Parse):
+    """A registered agent (a worker that runs REST-started transfers)."""
+
+    id: str
+    endpoint: str
+    labels: dict[str, str]
+    registered_at: float
+    last_seen: float
+
+
+@dataclass(frozen=True, config=_REPLY)
+class AssignmentsReply(_Parse):
+    """Transfers newly assigned to an agent (claimed by this poll)."""
+
+    transfers: list[TransferInfo]
+
+
+@dataclass(frozen=True, config=_REPLY)
+class HealthReply(_Parse):
+    """``GET /v1/health``."""
+
+    status: Literal["ok", "degraded"]
+    store: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, config=_REPLY)
+class ErrorReply(_Parse):
+    """Every 4xx/5xx body."""
+
+    detail: str

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -376,7 +377,7 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
               tags=["transfers"])
     def finish(transfer_id: TransferPath, body: FinishIn) -> Any:
         """Final state from the worker. STOPPED only after a stop was asked."""
-        outcome = body.outcome.model_dump() if body.outcome is not None else None
+        outcome = dataclasses.asdict(body.outcome) if body.outcome is not None else None
         return cp.finish(transfer_id, TransferState(body.state), body.error, body.bytes_done,
                          outcome)
 

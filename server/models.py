@@ -1,9 +1,12 @@
-"""Request and response bodies of the REST API (pydantic, ``extra="forbid"``).
+"""Request bodies of the REST API (pydantic, ``extra="forbid"``) and the reply models.
 
 Everything a client sends is validated here, so a bad body is a 422 that names the
 field, never a 500 and never a half-written record. Large opaque payloads (the
 manifest and the NIXL agent metadata) are only checked for shape and size: the
 transfer layer owns their content.
+
+The replies are defined once, in :mod:`modelexpress.wire`, where the client parses
+them too; the ``*Out`` names below are the server's names for them.
 """
 
 from __future__ import annotations
@@ -14,16 +17,20 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic.dataclasses import dataclass
 
 from modelexpress.identity import ModelIdentity
 from modelexpress.server.states import SourceState, TransferState
-from modelexpress.wire import TransferOutcome
+from modelexpress.wire import (
+    AgentInfo, AssignmentsReply, ErrorReply, HealthReply, ProgressReply, SourceDetail,
+    SourceSummary, TransferInfo, TransferOutcome,
+)
 
 __all__ = [
     "WorkerId", "EntityId", "IdentityIn", "SourcePublish", "SourceOut", "SourceDetail",
     "HeartbeatIn", "TransferCreate", "TransferOut", "ProgressIn", "ProgressOut", "FinishIn",
     "TransferOutcomeIn",
-    "AgentRegister", "AgentOut", "AssignmentsOut", "HealthOut", "ErrorOut",
+    "AgentRegister", "AgentOut", "AssignmentsOut", "HealthOut", "ErrorOut", "SourceDetail",
     "MAX_METADATA_B64",
 ]
 
@@ -41,12 +48,6 @@ MAX_METADATA_B64 = 16 << 20
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class _Out(BaseModel):
-    # Replies drop keys they do not declare instead of failing: a record written by a
-    # newer server version (shared Redis during a rolling upgrade) must not be a 500.
-    model_config = ConfigDict(extra="ignore")
 
 
 class IdentityIn(_Model):
@@ -105,28 +106,6 @@ class SourcePublish(_Model):
         return value
 
 
-class SourceOut(_Out):
-    """A source without its manifest and metadata (what lists return)."""
-
-    id: str
-    identity_id: str
-    identity: dict[str, Any]
-    worker_id: str
-    endpoint: str
-    state: SourceState
-    created_at: float
-    updated_at: float
-    last_heartbeat: float
-    manifest_bytes: int
-
-
-class SourceDetail(SourceOut):
-    """A source with its manifest and NIXL agent metadata (base64)."""
-
-    manifest: dict[str, Any]
-    agent_metadata: str
-
-
 class HeartbeatIn(_Model):
     """``POST /v1/sources/{id}/heartbeat``: I am alive, optionally with a new state."""
 
@@ -148,37 +127,6 @@ class TransferCreate(_Model):
                            "loader) and reports on it; no agent claims the transfer.")
 
 
-class TransferOut(_Out):
-    """A transfer record."""
-
-    id: str
-    identity_id: str
-    target_worker: str
-    source_id: str
-    source_worker: str
-    source_endpoint: str
-    state: TransferState
-    bytes_done: int
-    bytes_total: int
-    rate_bps: float
-    error: str | None
-    stop_requested: bool
-    claimed: bool
-    restarts: int
-    created_at: float
-    updated_at: float
-    started_at: float | None
-    finished_at: float | None
-    run_by_target: bool = False
-    candidates: list[str] = Field(
-        default_factory=list,
-        description="READY sources in the order the target should try them, chosen "
-                    "source first (fixed when the transfer was created).")
-    outcome: TransferOutcome | None = Field(
-        None, description="How it went, as the target reported in its finish (transport, "
-                          "rate, verdict, seconds); null until then or when not reported.")
-
-
 class ProgressIn(_Model):
     """``POST /v1/transfers/{id}/progress``: the worker's running totals (absolute, idempotent)."""
 
@@ -197,18 +145,9 @@ class ProgressIn(_Model):
         return self
 
 
-class ProgressOut(_Out):
-    """Reply to a progress report: ``stop`` true means abort at the next chunk, then
-    finish with state STOPPED."""
-
-    transfer: TransferOut
-    stop: bool
-
-
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class TransferOutcomeIn(TransferOutcome):
     """A :class:`~modelexpress.wire.TransferOutcome` in a request: unknown keys are a 422."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class FinishIn(_Model):
@@ -230,31 +169,12 @@ class AgentRegister(_Model):
                       Field(max_length=64)] = {}
 
 
-class AgentOut(_Out):
-    """A registered agent."""
-
-    id: str
-    endpoint: str
-    labels: dict[str, str]
-    registered_at: float
-    last_seen: float
-
-
-class AssignmentsOut(_Out):
-    """Transfers newly assigned to an agent (claimed by this poll)."""
-
-    transfers: list[TransferOut]
-
-
-class HealthOut(_Out):
-    """``GET /v1/health``."""
-
-    status: Literal["ok", "degraded"]
-    store: str
-    detail: str = ""
-
-
-class ErrorOut(_Out):
-    """Every 4xx/5xx body."""
-
-    detail: str
+# The replies, defined once in modelexpress.wire (the client parses them with the same
+# classes); the server's names for them.
+SourceOut = SourceSummary
+TransferOut = TransferInfo
+ProgressOut = ProgressReply
+AgentOut = AgentInfo
+AssignmentsOut = AssignmentsReply
+HealthOut = HealthReply
+ErrorOut = ErrorReply
