@@ -188,6 +188,31 @@ class VmmArena(ClosedOnCollect):
         """Return the live chunks as ``(va, size)``, sorted by va, one per backend handle."""
         return self._core.live() if not self._closed else []
 
+    def export_chunks(self) -> list[tuple[int, int, int]]:
+        """A new file descriptor per live chunk, for sharing with another process.
+
+        Returns:
+            ``(va, size, fd)`` per live chunk, sorted by va; the caller owns the fds.
+
+        Raises:
+            ConfigError: the backend cannot export (the stub, or a CUDA backend created
+                without the POSIX-fd handle type).
+            BackendError: an export failed (descriptors already made are closed).
+        """
+        export = getattr(self.backend, "export_chunk", None)
+        if export is None:
+            raise ConfigError(f"a {self.backend.kind!r} arena backend cannot export chunks")
+        out: list[tuple[int, int, int]] = []
+        try:
+            for va, size in self.live_allocations():
+                out.append((va, size, int(export(va, size))))
+        except BaseException:
+            import os
+            for _, _, fd in out:
+                os.close(fd)
+            raise
+        return out
+
     @property
     def used_bytes(self) -> int:
         """Bytes from ``base`` to the bump pointer (holes included)."""

@@ -23,7 +23,7 @@ __all__ = ["CudaVmmBackend", "cuda_vmm_supported"]
 
 log = logging.getLogger(__name__)
 
-HandleType = Literal["none", "posix_fd"]
+HandleType = Literal["none", "posix_fd", "auto"]
 
 
 def _driver() -> Any:
@@ -70,9 +70,11 @@ class CudaVmmBackend:
 
     Args:
         device: CUDA device ordinal.
-        handle_type: shareable handle type requested for each chunk: "none" or
-            "posix_fd" (exportable to another process; FABRIC handles are refused on
-            the project's H200 machine, see GPU.md).
+        handle_type: shareable handle type requested for each chunk: "none",
+            "posix_fd" (exportable to another process as a file descriptor: the local
+            transport serves chunks this way), or "auto" (posix_fd where the device
+            reports support for it, else none). FABRIC handles are refused on the
+            project's H200 machine (GPU.md).
 
     Raises:
         DependencyError: cuda-python is missing.
@@ -83,8 +85,9 @@ class CudaVmmBackend:
     kind: Literal["cuda"] = "cuda"
 
     def __init__(self, device: int = 0, handle_type: HandleType = "none") -> None:
-        if handle_type not in ("none", "posix_fd"):
-            raise ConfigError(f"handle_type must be 'none' or 'posix_fd', got {handle_type!r}")
+        if handle_type not in ("none", "posix_fd", "auto"):
+            raise ConfigError(f"handle_type must be 'none', 'posix_fd' or 'auto', "
+                              f"got {handle_type!r}")
         self._closed = True  # until the primary context is retained (see close)
         self._lock = threading.Lock()
         self._drv = drv = _driver()
@@ -98,6 +101,11 @@ class CudaVmmBackend:
             "cuDeviceGetAttribute(VMM)")
         if not vmm:
             raise BackendError(f"CUDA device {device} does not support VMM")
+        if handle_type == "auto":
+            posix = self._check(drv.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, self._dev),
+                "cuDeviceGetAttribute(POSIX fd handles)")
+            self.handle_type = handle_type = "posix_fd" if posix else "none"
         rdma = self._check(drv.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, self._dev),
             "cuDeviceGetAttribute(GDR with VMM)")
@@ -217,6 +225,31 @@ class CudaVmmBackend:
                 self._ptr(va), size,
                 drv.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0),
                 "cuMemGetHandleForAddressRange", f"{size} bytes at 0x{va:x}")
+        return int(fd)
+
+    def export_chunk(self, va: int, size: int) -> int:
+        """A POSIX file descriptor for the chunk mapped at ``va``; the caller closes it.
+
+        ``cuMemRetainAllocationHandle`` finds the chunk's handle from its address (no
+        handle table here), ``cuMemExportToShareableHandle`` exports it.
+
+        Raises:
+            ConfigError: the backend was created without ``handle_type="posix_fd"``.
+            BackendError: the driver refused.
+        """
+        if self.handle_type != "posix_fd":
+            raise ConfigError(f"chunks of this arena cannot be exported: handle_type is "
+                              f"{self.handle_type!r}, create the backend with 'posix_fd' or 'auto'")
+        drv = self._drv
+        with self._current():
+            handle = self._check(drv.cuMemRetainAllocationHandle(self._ptr(va)),
+                                 "cuMemRetainAllocationHandle", f"0x{va:x}")
+            try:
+                fd = self._check(drv.cuMemExportToShareableHandle(
+                    handle, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0), "cuMemExportToShareableHandle", f"{size} bytes at 0x{va:x}")
+            finally:
+                drv.cuMemRelease(handle)
         return int(fd)
 
     def close(self) -> None:

@@ -85,6 +85,7 @@ class HostVmmBackend:
             raise ConfigError("HostVmmBackend needs Linux (os.memfd_create)")
         self.granularity = gran
         self.device = device
+        self._fds: dict[int, int] = {}  # va -> memfd of the chunk mapped there (export_chunk)
 
     def reserve(self, total: int) -> int:
         # Over-reserve by one granule and trim, so the base is granularity-aligned.
@@ -124,12 +125,14 @@ class HostVmmBackend:
             raise _os_error(f"mapping fd {handle} ({size} bytes) at 0x{va:x}")
         if addr != va:  # MAP_FIXED never moves; a different address is a kernel bug
             raise BackendError(f"host VMM: mmap placed 0x{addr:x}, wanted 0x{va:x}")
+        self._fds[va] = handle
 
     def set_access(self, va: int, size: int) -> None:
         if _mprotect(va, size, _PROT_RW) != 0:
             raise _os_error(f"mprotect(0x{va:x}, {size}, RW)")
 
     def unmap(self, va: int, size: int) -> None:
+        self._fds.pop(va, None)
         addr = _mmap(va, size, _PROT_NONE,
                      _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
         if addr in (None, _MAP_FAILED):
@@ -140,6 +143,20 @@ class HostVmmBackend:
             os.close(handle)
         except OSError as exc:
             raise BackendError(f"host VMM: close(fd {handle}) failed: {exc}") from exc
+
+    def export_chunk(self, va: int, size: int) -> int:
+        """A new descriptor (a duplicate of the memfd) for the chunk mapped at ``va``.
+
+        The caller owns and closes it; another process maps the same pages with it
+        (the local transport sends it over a Unix socket).
+
+        Raises:
+            BackendError: no chunk is mapped at ``va``.
+        """
+        fd = self._fds.get(va)
+        if fd is None:
+            raise BackendError(f"host VMM: no chunk mapped at 0x{va:x} to export")
+        return os.dup(fd)
 
     def close(self) -> None:
         """Nothing backend-wide to release."""

@@ -82,7 +82,10 @@ def maybe_enter_vmm_arena(enabled: bool, device: int = 0,
     if reason is None:
         from modelexpress.vmm.backend import CudaVmmBackend
         try:
-            arena = VmmArena(total_bytes, device, CudaVmmBackend(device), use_extension=True)
+            # "auto": chunks exportable as POSIX fds where the device supports it, so
+            # the local transport can serve them to peers on this host (issue #12).
+            arena = VmmArena(total_bytes, device, CudaVmmBackend(device, handle_type="auto"),
+                             use_extension=True)
         except ArenaError as exc:
             reason = f"creating the arena failed: {exc}"
     if arena is None:

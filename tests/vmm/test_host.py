@@ -207,3 +207,24 @@ def test_doctor_host_self_test_passes():
     result = checks["vmm host self-test"].run()
     assert checks["vmm host self-test"].required
     assert result.status == "ok", result.detail
+
+
+def test_export_chunks_gives_descriptors_of_the_same_pages(use_extension):
+    import mmap as _mmap
+    fds0 = open_fds()
+    with VmmArena(1 << 30, backend=HostVmmBackend(), use_extension=use_extension) as arena:
+        vas = [arena.malloc(n) for n in (PAGE, 3 * PAGE, 70_000)]
+        for i, va in enumerate(vas):
+            ctypes.memmove(va, _pattern(i, PAGE), PAGE)
+        exported = arena.export_chunks()
+        assert [(va, size) for va, size, _ in exported] == arena.live_allocations()
+        try:
+            for i, (va, size, fd) in enumerate(exported):
+                with _mmap.mmap(fd, size, prot=_mmap.PROT_READ) as m:
+                    assert m[:PAGE] == _pattern(i, PAGE)
+        finally:
+            for _, _, fd in exported:
+                os.close(fd)
+        arena.free(vas[0])
+        assert [va for va, _, fd in arena.export_chunks() if os.close(fd) is None] == vas[1:]
+    assert open_fds() == fds0

@@ -1,0 +1,426 @@
+"""The target side of the local transport: connect, map, copy, verify, unmap.
+
+:func:`pull` is what a pull path calls for a source on the same host::
+
+    connect + hello ──> segments + fds ──> map (HostMapping / CudaMapping)
+        ──> plan: tensors in source order; a run contiguous on both sides is one copy;
+            copies grouped into chunks of ~chunk_bytes
+        ──> per chunk: stop? deadline? source alive? then enqueue the copies
+            (cuMemcpyAsync on the destination's stream / torch copy on the host);
+            at most two chunks in flight on a GPU, progress after each completes
+        ──> synchronize, verify digests (transfer.digest, as the NIXL path does)
+        ──> bye, unmap, close (always, also on errors)
+
+A source that dies mid-copy is seen at the next chunk boundary (the connection reads
+end-of-file) and fails the pull with PeerError, so the caller tries its next source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import select
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from modelexpress._closing import ClosedOnCollect
+from modelexpress.errors import (
+    ConfigError,
+    IntegrityError,
+    PeerError,
+    TransferCancelledError,
+    TransferTimeoutError,
+)
+from modelexpress.local import protocol
+from modelexpress.local.protocol import LocalEndpoint, Segment
+
+if TYPE_CHECKING:
+    import torch
+
+    from modelexpress.transfer.manifest import Manifest
+
+__all__ = ["LocalPullResult", "LocalSession", "pull", "TRANSPORT"]
+
+log = logging.getLogger(__name__)
+
+TRANSPORT = "local"
+DEFAULT_CHUNK_BYTES = 1 << 30
+_HOST_CHUNK_BYTES = 64 << 20   # host copies are synchronous: smaller chunks, finer stops
+_IN_FLIGHT = 2                 # GPU chunks enqueued ahead (keeps the copy engine busy)
+
+
+class StopFlag(Protocol):
+    def is_set(self) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPullResult:
+    """What a local pull did.
+
+    Attributes:
+        transport: always ``"local"`` (observed: these bytes moved by our own copies).
+        nbytes: bytes copied.
+        tensors: tensors received.
+        copies: copy operations issued (after merging contiguous runs).
+        segments: segments the source shared, by kind.
+        seconds: the whole pull; ``phases`` splits it (connect, map, copy, verify, close).
+        gbps: ``nbytes`` / copy phase, GB/s.
+        verified: tensors whose digest was checked.
+    """
+
+    transport: str
+    nbytes: int
+    tensors: int
+    copies: int
+    segments: dict[str, int]
+    seconds: float
+    gbps: float
+    verified: int
+    phases: dict[str, float]
+
+
+class LocalSession(ClosedOnCollect):
+    """One connection to a local source with its memory mapped here.
+
+    Args:
+        endpoint: the source's :class:`LocalEndpoint`.
+        device: CUDA device of the destination (device segments are mapped for it);
+            None when every destination is on the host.
+        timeout_s: bound on connecting and on each handshake message.
+
+    Raises:
+        PeerError: the source is unreachable, refused (e.g. wrong credential), or sent
+            something malformed; nothing stays open.
+        MxTimeoutError: the source did not answer within ``timeout_s``.
+    """
+
+    def __init__(self, endpoint: LocalEndpoint, device: int | None = None,
+                 timeout_s: float = 10.0) -> None:
+        self._closed = True
+        self.endpoint = endpoint
+        self.peer = f"local source {endpoint.source_id} ({endpoint.path})"
+        self.host_map: Any = None
+        self.cuda_map: Any = None
+        self.segments: list[Segment] = []
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        received: list[int] = []
+        try:
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(endpoint.path)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                raise PeerError(f"{self.peer} is not listening ({exc}); it exited or runs on "
+                                "another node") from exc
+            protocol.send(sock, {"op": "hello", "v": protocol.VERSION,
+                                 "source_id": endpoint.source_id, "token": endpoint.token})
+            msg, fds = self._recv(sock)
+            protocol.close_fds(fds)
+            if msg.get("op") == "refused":
+                raise PeerError(f"{self.peer} refused the connection: {msg.get('reason')}")
+            if msg.get("op") != "welcome" or msg.get("v") != protocol.VERSION:
+                raise PeerError(f"{self.peer}: unexpected answer {msg!r}")
+            pairs: list[tuple[Segment, int]] = []
+            for _ in range(int(msg["batches"])):
+                batch, fds = self._recv(sock)
+                received.extend(fds)
+                if batch.get("op") != "segments":
+                    raise PeerError(f"{self.peer}: expected segments, got {batch.get('op')!r}")
+                for item in batch["items"]:
+                    seg, idx = Segment.from_item(item)
+                    if idx >= len(fds):
+                        raise PeerError(f"{self.peer}: segment names descriptor {idx}, "
+                                        f"{len(fds)} arrived")
+                    pairs.append((seg, fds[idx] if idx >= 0 else -1))
+            if len(pairs) != int(msg["segments"]):
+                raise PeerError(f"{self.peer}: announced {msg['segments']} segments, "
+                                f"sent {len(pairs)}")
+            self.segments = [s for s, _ in pairs]
+            self._map(pairs, device)
+            received = []  # the mappings own (and have closed) them now
+        except TimeoutError as exc:
+            self._teardown(sock, received)
+            raise TransferTimeoutError(f"{self.peer} did not answer within {timeout_s:.0f} s") \
+                from exc
+        except OSError as exc:
+            self._teardown(sock, received)
+            raise PeerError(f"{self.peer}: {exc}") from exc
+        except BaseException:
+            self._teardown(sock, received)
+            raise
+        self._sock = sock
+        self._closed = False
+
+    def _recv(self, sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+        msg, fds = protocol.recv(sock, self.peer)
+        if msg is None:
+            raise PeerError(f"{self.peer} closed the connection during the handshake")
+        return msg, fds
+
+    def _map(self, pairs: Sequence[tuple[Segment, int]], device: int | None) -> None:
+        from modelexpress.local.memory import HostMapping, group_segments
+        host = [(s, fd) for s, fd in pairs if s.kind == "memfd"]
+        dev = [(s, fd) for s, fd in pairs if s.kind != "memfd"]
+        if host:
+            # ORDER: a mapping closes the fds it was given, also when it fails; the
+            # caller's list is cleared only after both mappings exist.
+            self.host_map = HostMapping([s for s, _ in host], [fd for _, fd in host])
+        if dev:
+            if device is None:
+                device = dev[0][0].device
+            from modelexpress.local.cuda import CudaMapping
+            segs = [s for s, _ in dev]
+            groups = [[dev[i] for i in g] for g in group_segments(segs)]
+            self.cuda_map = CudaMapping(groups, device)
+
+    @staticmethod
+    def _teardown(sock: socket.socket, fds: Sequence[int]) -> None:
+        protocol.close_fds(fds)
+        sock.close()
+
+    def local_addr(self, src_addr: int, nbytes: int, host: bool) -> int:
+        """Where the source's ``[src_addr, +nbytes)`` is mapped in this process."""
+        mapping = self.host_map if host else self.cuda_map
+        if mapping is None:
+            raise PeerError(f"{self.peer} shared no {'host' if host else 'device'} memory, "
+                            f"but the manifest places 0x{src_addr:x}+{nbytes} there")
+        return mapping.local_addr(src_addr, nbytes)
+
+    def alive(self) -> bool:
+        """False once the source went away (end-of-file) or announced it is closing."""
+        if self._closed:
+            return False
+        p = select.poll()
+        p.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        if not p.poll(0):
+            return True
+        try:
+            data = self._sock.recv(protocol.MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False if not data else b'"closing"' not in data
+
+    def close(self) -> None:
+        """Say bye, unmap everything, close the socket. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            protocol.send(self._sock, {"op": "bye"})
+        except OSError:
+            pass
+        try:
+            for m in (self.cuda_map, self.host_map):
+                if m is not None:
+                    m.close()
+        finally:
+            self._sock.close()
+
+
+@dataclasses.dataclass
+class _Copy:
+    src: int        # local address of the mapped source bytes
+    dst: int
+    nbytes: int
+    host: bool      # host -> host (torch copy on the CPU), else cuMemcpyAsync
+    dst_device: int  # -1: host
+
+
+def _plan(session: LocalSession, pairs: Sequence[Any], dst: Mapping[str, "torch.Tensor"],
+          chunk_bytes: int) -> list[list[_Copy]]:
+    """Copies merged over runs contiguous on both sides, then split into chunks."""
+    runs: list[_Copy] = []
+    for p in sorted(pairs, key=lambda p: p.remote.addr):
+        n = p.remote.nbytes
+        if n == 0:
+            continue
+        t = dst[p.name]
+        src_host = p.remote.device == "cpu"
+        src = session.local_addr(p.remote.addr, n, host=src_host)
+        dst_dev = -1 if t.device.type == "cpu" else (t.device.index or 0)
+        c = _Copy(src, t.data_ptr(), n, src_host and dst_dev < 0, dst_dev)
+        last = runs[-1] if runs else None
+        if (last is not None and last.host == c.host and last.dst_device == c.dst_device
+                and last.src + last.nbytes == c.src and last.dst + last.nbytes == c.dst):
+            last.nbytes += n
+        else:
+            runs.append(c)
+    chunks: list[list[_Copy]] = [[]]
+    filled = 0
+    for r in runs:
+        limit = min(chunk_bytes, _HOST_CHUNK_BYTES) if r.host else chunk_bytes
+        off = 0
+        while off < r.nbytes:
+            if filled >= limit:
+                chunks.append([])
+                filled = 0
+            n = min(r.nbytes - off, limit - filled)
+            chunks[-1].append(_Copy(r.src + off, r.dst + off, n, r.host, r.dst_device))
+            off += n
+            filled += n
+    return [c for c in chunks if c]
+
+
+def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "torch.Tensor"], *,
+         verify: bool = True, stop: StopFlag | None = None, deadline_s: float = 600.0,
+         progress: Callable[[int, int], None] | None = None,
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES, connect_timeout_s: float = 10.0,
+         allow_partial: bool = False) -> LocalPullResult:
+    """Copy a same-host source's tensors into ``tensors`` over the local transport.
+
+    Args:
+        endpoint: the source's endpoint (published with its manifest).
+        manifest: the source's manifest (names, shapes, addresses, digests).
+        tensors: name -> destination tensor (contiguous; CPU or one CUDA device).
+        verify: check each received tensor's digest against the manifest.
+        stop: checked between chunks; set -> TransferCancelledError.
+        deadline_s: the whole pull's bound.
+        progress: ``progress(bytes_done, bytes_total)`` after each chunk.
+        chunk_bytes: bytes between checks of stop, deadline and the source's liveness.
+        connect_timeout_s: bound on connecting and the handshake.
+        allow_partial: tensors on one side only are skipped instead of failing.
+
+    Returns:
+        A :class:`LocalPullResult`.
+
+    Raises:
+        ManifestMismatchError: names/dtypes/shapes differ (before anything is mapped).
+        PeerError: refused, unreachable, or the source went away mid-copy.
+        TransferTimeoutError: ``deadline_s`` ran out.
+        TransferCancelledError: ``stop`` was set.
+        IntegrityError: a digest did not match (names the tensor).
+        ConfigError: destinations on several CUDA devices, or a bad chunk size.
+    """
+    from modelexpress.transfer.planner import match
+    if chunk_bytes <= 0:
+        raise ConfigError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    t0 = time.monotonic()
+    deadline = t0 + deadline_s
+    pairs = match(manifest, tensors, allow_partial=allow_partial)
+    devices = {t.device.index or 0 for t in (tensors[p.name] for p in pairs)
+               if t.device.type == "cuda"}
+    if len(devices) > 1:
+        raise ConfigError(f"local pull destinations are on several CUDA devices {sorted(devices)}; "
+                          "pull each device's tensors separately")
+    device = devices.pop() if devices else None
+    phases: dict[str, float] = {}
+    session = LocalSession(endpoint, device=device,
+                           timeout_s=min(connect_timeout_s, max(0.1, deadline - time.monotonic())))
+    t_map = time.monotonic()
+    phases["connect+map"] = t_map - t0
+    total = sum(p.remote.nbytes for p in pairs)
+    n_copies = 0
+    try:
+        chunks = _plan(session, pairs, tensors, chunk_bytes)
+        n_copies = sum(len(c) for c in chunks)
+        _run(session, chunks, total, stop, deadline, deadline_s, progress, device)
+        t_copy = time.monotonic()
+        phases["copy"] = t_copy - t_map
+        verified = _verify(manifest, pairs, tensors, session.peer) if verify else 0
+        phases["verify"] = time.monotonic() - t_copy
+    finally:
+        t_close = time.monotonic()
+        session.close()
+        phases["close"] = time.monotonic() - t_close
+    kinds: dict[str, int] = {}
+    for s in session.segments:
+        kinds[s.kind] = kinds.get(s.kind, 0) + 1
+    seconds = time.monotonic() - t0
+    gbps = total / phases["copy"] / 1e9 if phases.get("copy") else 0.0
+    log.info("local pull from %s: %d bytes, %d tensors, %d copies in %.3f s (copy %.1f GB/s)",
+             session.peer, total, len(pairs), n_copies, seconds, gbps)
+    return LocalPullResult(transport=TRANSPORT, nbytes=total, tensors=len(pairs), copies=n_copies,
+                           segments=kinds, seconds=seconds, gbps=gbps, verified=verified,
+                           phases=phases)
+
+
+def _run(session: LocalSession, chunks: Sequence[Sequence[_Copy]], total: int,
+         stop: StopFlag | None, deadline: float, deadline_s: float,
+         progress: Callable[[int, int], None] | None, device: int | None) -> None:
+    import torch
+    stream = None
+    # A GPU destination copies on its own stream; a host destination of device
+    # memory (device -> host) on the stream of the device the source memory is mapped for.
+    stream_device = device if device is not None else (
+        session.cuda_map.device if session.cuda_map is not None else None)
+    if stream_device is not None:
+        from modelexpress.local.cuda import memcpy_async
+        stream = torch.cuda.current_stream(stream_device)
+    in_flight: list[tuple[Any, int]] = []   # (event, bytes)
+    done = 0
+
+    def retire(keep: int) -> None:
+        nonlocal done
+        while len(in_flight) > keep:
+            event, n = in_flight.pop(0)
+            event.synchronize()
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+    for chunk in chunks:
+        # ORDER: checks before enqueuing, so nothing is copied from a source that went away.
+        if stop is not None and stop.is_set():
+            retire(0)
+            raise TransferCancelledError(f"local pull from {session.peer} stopped after "
+                                         f"{done} of {total} bytes")
+        if time.monotonic() > deadline:
+            retire(0)
+            raise TransferTimeoutError(f"local pull from {session.peer} ran past its "
+                                       f"{deadline_s:.0f} s deadline after {done} of {total} bytes")
+        if not session.alive():
+            retire(0)
+            raise PeerError(f"{session.peer} went away after {done} of {total} bytes; try "
+                            "another source")
+        nbytes = sum(c.nbytes for c in chunk)
+        gpu = False
+        for c in chunk:
+            if c.host:
+                dst = _host_view(c.dst, c.nbytes)
+                dst.copy_(_host_view(c.src, c.nbytes))
+            else:
+                memcpy_async(c.dst, c.src, c.nbytes, stream.cuda_stream)  # type: ignore[union-attr]
+                gpu = True
+        if gpu:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            in_flight.append((ev, nbytes))
+            retire(_IN_FLIGHT - 1)
+        else:
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
+    retire(0)
+
+
+def _host_view(addr: int, nbytes: int) -> "torch.Tensor":
+    import ctypes
+
+    import torch
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+
+
+def _verify(manifest: "Manifest", pairs: Sequence[Any], tensors: Mapping[str, "torch.Tensor"],
+            peer: str) -> int:
+    from modelexpress.transfer.digest import digest_many
+    algo = manifest.digest_algorithm
+    todo = [p for p in pairs if p.remote.digest is not None]
+    if algo is None or not todo:
+        return 0
+    got = digest_many([tensors[p.name] for p in todo], algo)
+    bad = [(p.name, p.remote.digest, g) for p, g in zip(todo, got) if g != p.remote.digest]
+    if bad:
+        name, want, have = bad[0]
+        raise IntegrityError(f"{len(bad)} tensor(s) from {peer} failed the {algo} check, e.g. "
+                             f"{name!r}: expected {want}, got {have}; the source's memory changed "
+                             "or a copy failed: try another source")
+    return len(todo)
+
+
+def fd_count(pid: int | None = None) -> int:
+    """Open descriptors of a process (``/proc/PID/fd``), for tests and diagnostics."""
+    return len(os.listdir(f"/proc/{pid or os.getpid()}/fd"))

@@ -1,0 +1,298 @@
+"""Host memory for the local transport: memfd-backed buffers (source) and their mappings (target).
+
+A tensor in ordinary heap memory cannot be handed to another process. A tensor in a
+:class:`HostBuffer` can: the buffer is a ``memfd`` mapped ``MAP_SHARED``, and its
+descriptor, passed over a Unix socket, lets a peer map the very same pages. The
+source keeps writing-rights; peers map read-only, so a target can never change the
+weights it reads.
+
+On the target, :class:`HostMapping` maps the received descriptors so that the
+source's layout is kept: segments that were close together in the source's address
+space (the chunks of a host VMM arena, or several buffers) are mapped at the same
+relative offsets inside one reserved range, so a run of tensors that was contiguous
+at the source is contiguous here and is copied as one block::
+
+    source:  A.addr                      B.addr
+             |<-- memfd A -->|  (gap)   |<-- memfd B -->|
+    target:  base = reserve(B.end - A.addr, PROT_NONE)
+             |<-- map A, RO -->| PROT_NONE |<-- map B, RO -->|
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from modelexpress._closing import ClosedOnCollect
+from modelexpress.errors import BackendError, ConfigError, PeerError
+
+if TYPE_CHECKING:
+    import torch
+
+    from modelexpress.local.protocol import Segment
+
+__all__ = ["HostBuffer", "HostMapping", "group_segments", "host_buffer_like"]
+
+log = logging.getLogger(__name__)
+
+_PROT_NONE = 0
+_PROT_READ = mmap.PROT_READ
+_MAP_SHARED = mmap.MAP_SHARED
+_MAP_PRIVATE = mmap.MAP_PRIVATE
+_MAP_ANONYMOUS = mmap.MAP_ANONYMOUS
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+# Segments further apart than this start a new group (a new reserved range): the
+# reservation costs no memory, but a pathological layout must not reserve terabytes.
+MAX_GROUP_GAP = 1 << 36
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_int, ctypes.c_long]
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _errno_text() -> str:
+    err = ctypes.get_errno()
+    return f"{os.strerror(err)} (errno {err})"
+
+
+class HostBuffer(ClosedOnCollect):
+    """A memfd-backed host buffer that the local transport can share.
+
+    Tensors over it come from :meth:`tensor`. ``close()`` closes the descriptor and
+    unmaps the memory once no tensor view is left (a view still alive keeps the
+    mapping; the pages go with the last view).
+
+    Args:
+        nbytes: size in bytes (> 0).
+        name: memfd name, shown in ``/proc/PID/fd`` and ``/proc/PID/maps``.
+
+    Raises:
+        ConfigError: bad size, or not Linux.
+        BackendError: memfd_create / ftruncate / mmap failed.
+    """
+
+    def __init__(self, nbytes: int, name: str = "mx-host") -> None:
+        self._closed = True
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise ConfigError(f"HostBuffer size must be a positive int, got {nbytes!r}")
+        if not hasattr(os, "memfd_create"):
+            raise ConfigError("HostBuffer needs Linux (os.memfd_create)")
+        try:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise BackendError(f"memfd_create for {nbytes} bytes failed: {exc}") from exc
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mm = mmap.mmap(fd, nbytes, flags=_MAP_SHARED,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            raise BackendError(f"HostBuffer of {nbytes} bytes: {exc}") from exc
+        self.fd = fd
+        self.nbytes = nbytes
+        probe = ctypes.c_char.from_buffer(self._mm)
+        self.addr = ctypes.addressof(probe)  # an mmap never moves
+        del probe
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def tensor(self, offset: int, shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
+        """A tensor over ``[offset, offset + nbytes)`` of the buffer.
+
+        Raises:
+            ConfigError: the range is outside the buffer, or the buffer is closed.
+        """
+        import torch
+        if self._closed:
+            raise ConfigError("HostBuffer.tensor() after close()")
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * dtype.itemsize
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ConfigError(f"tensor of {nbytes} bytes at offset {offset} does not fit a "
+                              f"HostBuffer of {self.nbytes} bytes")
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
+        return flat.view(dtype).view(tuple(int(d) for d in shape))
+
+    def close(self) -> None:
+        """Close the descriptor; unmap now if no view is alive. Idempotent."""
+        with getattr(self, "_lock", threading.Lock()):
+            if self._closed:
+                return
+            self._closed = True
+        os.close(self.fd)
+        try:
+            self._mm.close()
+        except BufferError:
+            # Views still alive hold the mapping; it goes with the last of them.
+            log.debug("HostBuffer %d bytes: views alive, unmapped with the last one",
+                      self.nbytes)
+
+
+def host_buffer_like(tensors: Mapping[str, "torch.Tensor"], *, align: int = 256,
+                     copy: bool = True, name: str = "mx-weights"
+                     ) -> tuple[HostBuffer, dict[str, "torch.Tensor"]]:
+    """Lay CPU tensors out in one new :class:`HostBuffer` (in mapping order).
+
+    This is how a publisher puts weights where the local transport can share them:
+    load (or copy) them into the returned tensors instead of ordinary heap memory.
+
+    Args:
+        tensors: name -> tensor (any device; only shape and dtype are used unless copy).
+        align: byte alignment of each tensor (a power of two, >= 16).
+        copy: copy each tensor's values in.
+        name: memfd name.
+
+    Returns:
+        The buffer and name -> tensor over it.
+    """
+    if align < 16 or align & (align - 1):
+        raise ConfigError(f"align must be a power of two >= 16, got {align}")
+    offsets, total = [], 0
+    for t in tensors.values():
+        total = -(-total // align) * align
+        offsets.append(total)
+        total += t.numel() * t.element_size()
+    buf = HostBuffer(max(total, 1), name=name)
+    out = {}
+    for (key, t), off in zip(tensors.items(), offsets):
+        view = buf.tensor(off, tuple(t.shape), t.dtype)
+        if copy:
+            view.copy_(t)
+        out[key] = view
+    return buf, out
+
+
+def group_segments(segments: Sequence["Segment"], max_gap: int = MAX_GROUP_GAP
+                   ) -> list[list[int]]:
+    """Indices of ``segments`` grouped into runs that one reserved range can hold.
+
+    Segments of one kind and device, sorted by address, join a group while the gap to
+    the previous one is at most ``max_gap``; ``cuda_ipc`` segments are always alone
+    (the driver picks where an IPC handle maps).
+
+    Raises:
+        PeerError: two segments overlap (a malformed source).
+    """
+    order = sorted(range(len(segments)), key=lambda i: (segments[i].kind, segments[i].device,
+                                                       segments[i].addr))
+    groups: list[list[int]] = []
+    prev = None
+    for i in order:
+        seg = segments[i]
+        if (prev is not None and seg.kind == prev.kind and seg.device == prev.device
+                and seg.addr < prev.end):
+            raise PeerError(f"source segments overlap: {prev} and {seg}")
+        if (prev is None or seg.kind == "cuda_ipc" or seg.kind != prev.kind
+                or seg.device != prev.device or seg.addr - prev.end > max_gap):
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+        prev = seg
+    return groups
+
+
+class HostMapping(ClosedOnCollect):
+    """Received memfd segments mapped read-only on the target, source layout kept.
+
+    Args:
+        segments: the ``memfd`` segments.
+        fds: one descriptor per segment; each is closed once mapped (the mapping keeps
+            the pages), so the caller must not close them again.
+
+    Raises:
+        BackendError: a reservation or mapping failed (what was mapped is unmapped,
+            every descriptor is closed).
+    """
+
+    def __init__(self, segments: Sequence["Segment"], fds: Sequence[int]) -> None:
+        self._closed = True
+        self._ranges: list[tuple[int, int]] = []      # (base, span) reserved
+        self._where: list[tuple[int, int, int]] = []  # (src_addr, src_end, local_addr)
+        pending = list(fds)
+        try:
+            for group in group_segments(segments):
+                start = segments[group[0]].addr
+                span = max(segments[i].end for i in group) - start
+                base = _mmap(None, span, _PROT_NONE,
+                             _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+                if base in (None, _MAP_FAILED):
+                    raise BackendError(f"reserving {span} bytes for mapped segments failed: "
+                                       f"{_errno_text()}")
+                self._ranges.append((base, span))
+                for i in group:
+                    seg = segments[i]
+                    at = base + seg.addr - start
+                    got = _mmap(at, seg.size, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fds[i], 0)
+                    if got in (None, _MAP_FAILED) or got != at:
+                        raise BackendError(f"mapping a received memfd ({seg.size} bytes) failed: "
+                                           f"{_errno_text()}")
+                    self._where.append((seg.addr, seg.end, at))
+            self._where.sort()
+        except BaseException:
+            self._unmap()
+            raise
+        finally:
+            for fd in pending:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._closed = False
+
+    def local_addr(self, src_addr: int, nbytes: int) -> int:
+        """Where ``[src_addr, src_addr + nbytes)`` of the source is mapped here.
+
+        Raises:
+            PeerError: the range is not inside one mapped group.
+        """
+        import bisect
+        k = bisect.bisect_right(self._where, (src_addr, float("inf"), 0)) - 1
+        if k >= 0:
+            s, e, at = self._where[k]
+            if s <= src_addr and src_addr + nbytes <= e:
+                return at + (src_addr - s)
+        raise PeerError(f"source range 0x{src_addr:x}+{nbytes} is not in any shared host segment")
+
+    def tensor(self, local_addr: int, nbytes: int) -> "torch.Tensor":
+        """A uint8 CPU tensor over mapped memory (read-only pages: never write to it)."""
+        import torch
+        raw = (ctypes.c_uint8 * nbytes).from_address(local_addr)
+        return torch.frombuffer(raw, dtype=torch.uint8)
+
+    def _unmap(self) -> None:
+        for base, span in self._ranges:
+            if _munmap(base, span) != 0:
+                log.warning("munmap of a mapped source range (%d bytes) failed: %s",
+                            span, _errno_text())
+        self._ranges.clear()
+        self._where.clear()
+
+    def close(self) -> None:
+        """Unmap everything. Idempotent. No view over the mapping may be used after."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unmap()
+
+

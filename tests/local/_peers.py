@@ -1,0 +1,124 @@
+"""Source and target processes of the local-transport tests (run as scripts).
+
+source: ``python _peers.py source OUT.json --layout buffer|arena|buffers --seed S --mib N``
+    builds seeded tensors in shareable host memory, starts a LocalSource, writes
+    {"endpoint", "manifest", "pid"} to OUT.json (atomically), then serves until stdin
+    closes or it is killed.
+target: ``python _peers.py target IN.json [--token T]`` pulls everything and prints one
+    JSON line: {"ok", "pid", "nbytes", "copies", "error", "fds_before", "fds_after"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from modelexpress.local import HostBuffer, LocalEndpoint, LocalSource, host_buffer_like, pull
+from modelexpress.local.client import fd_count
+from modelexpress.transfer.manifest import Manifest, build_manifest
+
+
+def make_tensors(seed: int, mib: int) -> dict[str, torch.Tensor]:
+    """Seeded tensors of mixed sizes and dtypes, ``mib`` MiB in all (the same for both sides)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    total, i = mib << 20, 0
+    sizes = [1 << 20, 3 << 20, 12345, 4 << 20, 77, 2 << 20]
+    while total > 0:
+        n = min(sizes[i % len(sizes)], total)
+        dtype = (torch.bfloat16, torch.float32, torch.uint8)[i % 3]
+        numel = max(1, n // dtype.itemsize)
+        t = torch.randint(0, 255, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
+        out[f"layer.{i}.w"] = t.view(dtype)
+        total -= numel * dtype.itemsize
+        i += 1
+    return out
+
+
+def run_source(args: argparse.Namespace) -> None:
+    from modelexpress.local import host_id
+    tensors = make_tensors(args.seed, args.mib)
+    keep: list[object] = []
+    src = LocalSource(args.ipc_dir, host_id=host_id())
+    if args.layout == "buffer":
+        buf, shared = host_buffer_like(tensors)
+        keep.append(buf)
+        src.add_host_buffer(buf)
+    elif args.layout == "buffers":  # one buffer per tensor: many segments
+        shared = {}
+        for name, t in tensors.items():
+            b, one = host_buffer_like({name: t})
+            keep.append(b)
+            src.add_host_buffer(b)
+            shared.update(one)
+    else:  # a host VMM arena, one chunk per tensor, laid out contiguously
+        from modelexpress.vmm import HostVmmBackend, VmmArena
+        arena = VmmArena(1 << 34, backend=HostVmmBackend())
+        keep.append(arena)
+        shared = {}
+        for name, t in tensors.items():
+            view = arena.empty(tuple(t.shape), t.dtype)
+            view.copy_(t)
+            shared[name] = view
+        src.add_vmm_arena(arena)
+    src.add_tensors(shared)  # all covered already: a no-op that must not raise
+    manifest = build_manifest(shared, agent_name=f"src-{os.getpid()}")
+    src.start()
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"endpoint": src.endpoint.to_json(), "manifest": manifest.to_json(),
+                   "pid": os.getpid()}, f)
+    os.rename(tmp, args.out)
+    sys.stdin.read()  # serve until the test closes our stdin
+    src.close()
+    for k in keep:
+        k.close()  # type: ignore[attr-defined]
+
+
+def run_target(args: argparse.Namespace) -> None:
+    with open(args.inp) as f:
+        info = json.load(f)
+    ep = info["endpoint"]
+    if args.token:
+        ep = dict(ep, token=args.token)
+    endpoint = LocalEndpoint.from_json(ep)
+    manifest = Manifest.from_json(info["manifest"])
+    dst = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in manifest.tensors}
+    before = fd_count()
+    out = {"pid": os.getpid(), "fds_before": before}
+    try:
+        res = pull(endpoint, manifest, dst, deadline_s=60)
+        out.update(ok=True, nbytes=res.nbytes, copies=res.copies, verified=res.verified)
+        want = make_tensors(args.seed, args.mib)
+        out["equal"] = all(torch.equal(want[k].view(torch.uint8), dst[k].view(torch.uint8))
+                           for k in want)
+    except Exception as exc:  # noqa: BLE001 - reported to the test as JSON
+        out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    out["fds_after"] = fd_count()
+    print(json.dumps(out), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=["source", "target"])
+    p.add_argument("path")
+    p.add_argument("--layout", default="buffer", choices=["buffer", "buffers", "arena"])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--mib", type=int, default=16)
+    p.add_argument("--ipc-dir", default="")
+    p.add_argument("--token", default="")
+    args = p.parse_args()
+    if args.role == "source":
+        args.out = args.path
+        run_source(args)
+    else:
+        args.inp = args.path
+        run_target(args)
+
+
+if __name__ == "__main__":
+    main()
