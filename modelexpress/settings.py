@@ -110,6 +110,14 @@ class MxSettings(BaseSettings):
         True, "p2p", "A target that finished a pull publishes itself as a source (fan-out).")
     max_source_attempts: int = _field(
         3, "p2p", "How many sources a pull tries before giving up.", ge=1)
+    node_name: str = _field(
+        "", "p2p",
+        "This node's name for the local transport's same-host check (e.g. Kubernetes' "
+        "spec.nodeName); empty: the kernel boot id identifies the host.")
+    ipc_dir: str = _field(
+        "/dev/shm/modelexpress", "p2p",
+        "Directory shared by every process of a node (a hostPath in Kubernetes) where sources "
+        "put the Unix sockets of the local transport; `off` disables that transport.")
     vllm_probe: bool = _field(
         True, "p2p",
         "vLLM loader: a source publishes its model's output on a fixed probe input; a "
