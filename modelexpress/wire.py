@@ -133,6 +133,11 @@ class SourceSummary(_Parse):
     updated_at: float
     last_heartbeat: float
     manifest_bytes: int
+    fingerprint: str = Field(
+        "", description="Hash of the content the manifest serves (tensor names, dtypes, "
+                        "shapes, sizes, digests; not addresses): sources of one identity "
+                        "with equal fingerprints serve the same weights. Empty for "
+                        "records published before fingerprints.")
 
     @property
     def model_identity(self) -> ModelIdentity:
@@ -140,7 +145,7 @@ class SourceSummary(_Parse):
         return ModelIdentity.from_dict(self.identity)
 
 
-@dataclass(frozen=True, config=_REPLY)
+@dataclass(frozen=True, config=_REPLY, kw_only=True)
 class SourceDetail(SourceSummary):
     """A source with its manifest and NIXL agent metadata (``GET /v1/sources/{id}``)."""
 
@@ -148,7 +153,7 @@ class SourceDetail(SourceSummary):
     agent_metadata: Base64Bytes
 
 
-@dataclass(frozen=True, config=_REPLY)
+@dataclass(frozen=True, config=_REPLY, kw_only=True)
 class SourceInfo(SourceSummary):
     """A source as the client returns it. ``manifest`` and ``agent_metadata`` (bytes)
     are set only by ``MxClient.get_source`` (lists leave them out)."""

@@ -10,6 +10,7 @@ shared between replicas; a monotonic clock would mean nothing to another process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -19,6 +20,7 @@ from typing import Any, Callable
 
 from modelexpress.errors import ConflictError, NotFoundError, ValidationError
 from modelexpress.identity import ModelIdentity
+from modelexpress.server import content
 from modelexpress.server.states import (
     LIVE, TERMINAL, SourceState, TransferState, check_source_move, check_transfer_move,
 )
@@ -83,6 +85,9 @@ class ControlPlane:
 
         Raises:
             ValidationError: the manifest is larger than ``max_manifest_bytes`` (413).
+            ConflictError: the manifest serves other content than a READY source of the
+                same identity (``content.py``); the message names the first tensor that
+                differs. The publisher's previous record, if any, is left as it was.
         """
         blob = json.dumps(manifest, separators=(",", ":"), allow_nan=False)
         if len(blob) > self.max_manifest_bytes:
@@ -91,19 +96,54 @@ class ControlPlane:
                 f"{self.max_manifest_bytes} (MX_SERVER_MAX_MANIFEST_BYTES)")
         now = self.clock()
         sid = source_id_for(identity.id, worker_id)
+        fp = content.fingerprint(manifest)
+        self._refuse_conflict(sid, identity, manifest, fp)
         old = self.store.get("sources", sid)
+        old_blob = self.store.get("blobs", sid) if old else None
         record = {
             "id": sid, "identity_id": identity.id, "identity": identity.to_dict(),
             "worker_id": worker_id, "endpoint": endpoint, "state": state.value,
             "created_at": old["created_at"] if old else now, "updated_at": now,
-            "last_heartbeat": now, "manifest_bytes": len(blob),
+            "last_heartbeat": now, "manifest_bytes": len(blob), "fingerprint": fp,
         }
         # Blob first: a reader that finds the summary must also find its manifest.
         self.store.put("blobs", {"id": sid, "manifest": manifest, "agent_metadata": agent_metadata})
         self.store.put("sources", record)
+        try:
+            # Again after writing: two conflicting publishes racing (on two replicas)
+            # both passed the first check; each now sees the other and backs out, so
+            # at worst both get a 409, never both stay.
+            self._refuse_conflict(sid, identity, manifest, fp)
+        except ConflictError:
+            if old is not None and old_blob is not None:
+                self.store.put("blobs", old_blob)
+                self.store.put("sources", old)
+            else:
+                self.store.delete("sources", sid)
+                self.store.delete("blobs", sid)
+            raise
         log.info("source %s published (%s, worker %s, %s, manifest %d bytes)",
                  sid, identity.model, worker_id, state.value, len(blob))
         return record
+
+    def _refuse_conflict(self, source_id: str, identity: ModelIdentity,
+                         manifest: dict[str, Any], fp: str) -> None:
+        """Raise ConflictError when a READY source of ``identity`` (not ``source_id``)
+        serves other content than ``manifest``."""
+        for other in self.list_sources(identity_id=identity.id, state=_S.READY):
+            if other["id"] == source_id or other.get("fingerprint") == fp:
+                continue
+            theirs = self.store.get("blobs", other["id"])
+            if theirs is None:
+                continue  # deleted meanwhile
+            diff = content.first_difference(manifest, theirs["manifest"])
+            if diff is not None:
+                raise ConflictError(
+                    f"manifest of {source_id} conflicts with READY source {other['id']} of "
+                    f"the same identity ({identity.model} revision {identity.revision}, "
+                    f"dtype {identity.dtype}, rank {identity.rank}): {diff}. Publish "
+                    "different weights under another revision, or withdraw that source "
+                    "first (DELETE /v1/sources/{id}).")
 
     def heartbeat(self, source_id: str, state: SourceState | None) -> Record:
         """Record a heartbeat, optionally moving the source to ``state``.
@@ -113,18 +153,39 @@ class ControlPlane:
             ConflictError: illegal move (e.g. READY -> INITIALIZING).
         """
         now = self.clock()
+        was = _S.READY
 
         def beat(src: Record) -> Record:
-            old = _S(src["state"])
+            nonlocal was
+            old = was = _S(src["state"])
             new = state or (_S.READY if old is _S.STALE else old)
             check_source_move(source_id, old, new)
             return {**src, "state": new.value, "last_heartbeat": now, "updated_at": now}
 
         try:
-            return self.store.update("sources", source_id, beat)
+            rec = self.store.update("sources", source_id, beat)
         except NotFoundError:
             raise NotFoundError(f"source {source_id} not found (never published, deleted, "
                                 "or collected after being STALE): publish it again") from None
+        if was is not _S.READY and rec["state"] == _S.READY.value:
+            # Becoming READY (from INITIALIZING, or revived from STALE) is when its
+            # content starts to count: the same rule as a publish, checked only on this
+            # rare move so the every-few-seconds heartbeat stays one store update.
+            blob = self.store.get("blobs", source_id)
+            if blob is not None:
+                try:
+                    self._refuse_conflict(source_id, ModelIdentity.from_dict(rec["identity"]),
+                                          blob["manifest"], rec.get("fingerprint")
+                                          or content.fingerprint(blob["manifest"]))
+                except ConflictError:
+                    def back(src: Record) -> Record:
+                        if src["state"] != _S.READY.value:
+                            return src
+                        return {**src, "state": was.value, "updated_at": now}
+                    with contextlib.suppress(NotFoundError):
+                        self.store.update("sources", source_id, back)
+                    raise
+        return rec
 
     def get_source(self, source_id: str, *, with_blob: bool = False) -> Record:
         """Return a source (effective state), optionally with manifest and metadata.
