@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+from collections.abc import Mapping
 from typing import Any, Literal
 
+import pydantic
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["MxSettings", "env_table_markdown", "write_env_table"]
+__all__ = ["MxSettings", "STORE_SCHEMES", "env_table_markdown", "settings_error_line",
+           "write_env_table"]
 
 _TIB = 1 << 40
 _MIB = 1 << 20
@@ -76,7 +79,10 @@ class MxSettings(BaseSettings):
 
     # --- control plane -------------------------------------------------------
     server_url: str = _field(
-        "http://127.0.0.1:8001", "server", "Control-plane URL that clients and workers use.")
+        "http://127.0.0.1:8001", "server",
+        "Control-plane URL that clients and workers use. Server replicas (on one Redis): "
+        "a comma-separated list; a client tries them in order and fails over to the next "
+        "on a connection error or a 502-504, on every call.")
     server_token: SecretStr | None = _field(
         None, "server",
         "Bearer token. When set on the server, every route except health needs it; "
@@ -86,7 +92,7 @@ class MxSettings(BaseSettings):
     store: str = _field(
         "sqlite:///modelexpress.db", "server",
         "Server store: sqlite:///PATH (default, one replica) or redis://HOST:PORT/DB "
-        "(several replicas).")
+        "(several replicas; rediss:// for TLS).")
     heartbeat_interval_s: float = _field(
         5.0, "server", "How often a source sends a heartbeat.", gt=0)
     stale_after_s: float = _field(
@@ -146,10 +152,116 @@ class MxSettings(BaseSettings):
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: str) -> str:
-        if not value.startswith(("sqlite:///", "redis://", "rediss://")):
-            raise ValueError(
-                f"store must start with sqlite:/// or redis:// (got {value!r})")
+        value = value.strip()
+        if not value.startswith(STORE_SCHEMES) or value in STORE_SCHEMES:
+            raise ValueError(f"unsupported store URL {value!r}; use {STORE_FORMS}")
         return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_level(cls, value: Any) -> Any:
+        # MX_LOG_LEVEL=debug means DEBUG; anything else still fails on the Literal.
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("server_url")
+    @classmethod
+    def _check_urls(cls, value: str) -> str:
+        urls = [u.strip().rstrip("/") for u in value.split(",")]
+        for url in urls:
+            if not url.startswith(("http://", "https://")) or url in ("http:", "https:"):
+                raise ValueError(
+                    f"{url!r} is not a server URL; use http://HOST:PORT, or several "
+                    "replicas separated by commas (http://a:8001,http://b:8001)")
+        return ",".join(urls)
+
+    @property
+    def server_urls(self) -> tuple[str, ...]:
+        """``MX_SERVER_URL`` as a list: the replicas a client fails over between, in order."""
+        return tuple(self.server_url.split(","))
+
+    @classmethod
+    def load(cls, *, names: Mapping[str, str] | None = None, **overrides: Any) -> "MxSettings":
+        """Settings from the environment with ``overrides`` on top; a bad value is one line.
+
+        Args:
+            names: how to name a field in the message when its value came from
+                ``overrides`` (e.g. ``{"store": "--store"}``); default ``MX_<FIELD>``.
+            **overrides: field values (None values are ignored: "not given").
+
+        Returns:
+            The settings.
+
+        Raises:
+            ConfigError: a value is invalid; the message is :func:`settings_error_line`.
+        """
+        from modelexpress.errors import ConfigError
+
+        given = {k: v for k, v in overrides.items() if v is not None}
+        try:
+            return cls(**given)
+        except pydantic.ValidationError as exc:
+            shown = {k: v for k, v in (names or {}).items() if k in given}
+            raise ConfigError(settings_error_line(exc, names=shown)) from exc
+
+
+STORE_SCHEMES = ("sqlite:///", "redis://", "rediss://", "unix://")
+"""Store URL prefixes ``MX_STORE`` accepts (``modelexpress.server.store.open_store``)."""
+STORE_FORMS = "sqlite:///PATH or redis://HOST:PORT/DB (rediss:// for TLS, unix:///SOCKET)"
+
+_BOOLS = "true/false, 1/0, yes/no, on/off"
+
+
+def _value(err: Mapping[str, Any]) -> str:
+    value = err.get("input")
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _problem(err: Mapping[str, Any]) -> str:
+    """One pydantic error as 'what is wrong; what is accepted'."""
+    kind = err.get("type", "")
+    ctx = err.get("ctx") or {}
+    value = _value(err)
+    if kind == "literal_error":
+        allowed = str(ctx.get("expected", "")).replace("'", "").replace(" or ", ", ")
+        return f"{value} is not allowed; use one of {allowed}"
+    if kind in ("float_parsing", "float_type"):
+        return f"{value} is not a number"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return f"{value} is not a whole number"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"{value} is not a boolean; use {_BOOLS}"
+    bounds = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}",
+              "less_than": "< {lt}", "less_than_equal": "<= {le}"}
+    if kind in bounds:
+        return f"{value} is out of range; it must be {bounds[kind].format(**ctx)}"
+    if kind == "value_error":
+        return str(err.get("msg", "")).removeprefix("Value error, ")
+    return f"{value}: {err.get('msg', 'invalid')}"
+
+
+def settings_error_line(exc: pydantic.ValidationError,
+                        names: Mapping[str, str] | None = None) -> str:
+    """Turn a :class:`MxSettings` validation error into one line for a user.
+
+    Each bad value is named by its variable (or by ``names[field]``, e.g. a CLI flag),
+    with what is accepted: ``MX_STORE: unsupported store URL 'mysql://x'; use
+    sqlite:///PATH or redis://HOST:PORT/DB ...``, ``MX_LOG_LEVEL: 'LOUD' is not allowed;
+    use one of DEBUG, INFO, WARNING, ERROR``. Several are joined with ``"; "``.
+
+    Args:
+        exc: raised by ``MxSettings(...)``.
+        names: field -> how to call it instead of ``MX_<FIELD>``.
+
+    Returns:
+        The line, without a trailing newline.
+    """
+    problems = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err.get("loc") else ""
+        where = (names or {}).get(field) or (f"MX_{field.upper()}" if field else "settings")
+        problems.append(f"{where}: {_problem(err)}")
+    return "; ".join(problems) or str(exc).splitlines()[0]
 
 
 def env_table_markdown() -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 from modelexpress.errors import ConfigError
+from modelexpress.settings import STORE_FORMS
 
 __all__ = ["Collection", "COLLECTIONS", "Record", "Store", "open_store"]
 
@@ -81,7 +82,7 @@ def open_store(url: str) -> Store:
         An open store.
 
     Raises:
-        ConfigError: the URL scheme is not one of the two supported.
+        ConfigError: the URL scheme is not one of ``modelexpress.settings.STORE_SCHEMES``.
         StoreError: the backend cannot be opened.
     """
     if url.startswith("sqlite:///"):
@@ -90,4 +91,4 @@ def open_store(url: str) -> Store:
     if url.startswith(("redis://", "rediss://", "unix://")):
         from modelexpress.server.store.redis import RedisStore
         return RedisStore(url)
-    raise ConfigError(f"store URL must start with sqlite:/// or redis:// (got {url!r})")
+    raise ConfigError(f"unsupported store URL {url!r}; use {STORE_FORMS}")

@@ -1,0 +1,60 @@
+"""A bad MX_* value is one line naming the variable and what it accepts (#16)."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from modelexpress.errors import ConfigError
+from modelexpress.settings import MxSettings, settings_error_line
+
+
+@pytest.mark.parametrize(("env", "value", "line"), [
+    ("MX_STORE", "mysql://x",
+     "MX_STORE: unsupported store URL 'mysql://x'; use sqlite:///PATH or redis://HOST:PORT/DB"),
+    ("MX_STORE", "redis://", "MX_STORE: unsupported store URL 'redis://'"),
+    ("MX_LOG_LEVEL", "LOUD",
+     "MX_LOG_LEVEL: 'LOUD' is not allowed; use one of DEBUG, INFO, WARNING, ERROR"),
+    ("MX_SOURCE_POLICY", "fastest",
+     "MX_SOURCE_POLICY: 'fastest' is not allowed; use one of random, spread"),
+    ("MX_STALE_AFTER_S", "soon", "MX_STALE_AFTER_S: 'soon' is not a number"),
+    ("MX_STALE_AFTER_S", "0", "MX_STALE_AFTER_S: '0' is out of range; it must be > 0"),
+    ("MX_SERVER_PORT", "70000", "MX_SERVER_PORT: '70000' is out of range; it must be <= 65535"),
+    ("MX_CLIENT_RETRIES", "1.5", "MX_CLIENT_RETRIES: '1.5' is not a whole number"),
+    ("MX_VMM_ARENA", "maybe",
+     "MX_VMM_ARENA: 'maybe' is not a boolean; use true/false, 1/0, yes/no, on/off"),
+    ("MX_SERVER_URL", "127.0.0.1:8001",
+     "MX_SERVER_URL: '127.0.0.1:8001' is not a server URL; use http://HOST:PORT"),
+    ("MX_SERVER_URL", "http://a:1,,http://b:2", "MX_SERVER_URL: '' is not a server URL"),
+])
+def test_a_bad_value_is_one_line_naming_the_variable_and_the_accepted_values(
+        monkeypatch: pytest.MonkeyPatch, env: str, value: str, line: str) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ConfigError) as err:
+        MxSettings.load()
+    message = str(err.value)
+    assert message.startswith(line), message
+    assert "\n" not in message
+    assert isinstance(err.value.__cause__, pydantic.ValidationError)
+    assert settings_error_line(err.value.__cause__) == message
+
+
+def test_several_bad_values_and_flag_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MX_LOG_LEVEL", "LOUD")
+    with pytest.raises(ConfigError) as err:
+        MxSettings.load(names={"store": "--store", "server_port": "--port"},
+                        store="mysql://x", server_port=None)
+    message = str(err.value)
+    assert "MX_LOG_LEVEL: 'LOUD' is not allowed" in message
+    assert "--store: unsupported store URL 'mysql://x'" in message
+    assert "\n" not in message
+
+
+def test_good_values_load_and_are_normalised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MX_LOG_LEVEL", "debug")
+    monkeypatch.setenv("MX_SERVER_URL", " http://a:8001/ , https://b:8002")
+    settings = MxSettings.load(store="redis://r:6379/0", server_port=None)
+    assert settings.log_level == "DEBUG"
+    assert settings.server_urls == ("http://a:8001", "https://b:8002")
+    assert settings.store == "redis://r:6379/0"
+    assert MxSettings.load().server_port == 8001  # None override: not given
