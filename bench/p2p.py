@@ -121,7 +121,7 @@ def main() -> None:
                                          time_disk_load)
     from modelexpress.client import MxClient
     from modelexpress.identity import ModelIdentity
-    from modelexpress.p2p import allocate_like, manifest_of, pull
+    from modelexpress.p2p import PullOptions, allocate_like, manifest_of, pull
 
     work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="mx-bench-p2p-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -174,8 +174,8 @@ def main() -> None:
 
         runs = []
         for _ in range(2 if args.quick else 3):
-            result = pull(identity, dest, client=client, timeout_s=600,
-                          prefer=[published[0]["source_id"]], verify=not args.no_digests)
+            result = pull(identity, dest, client=client, options=PullOptions(
+                timeout_s=600, prefer=[published[0]["source_id"]], verify=not args.no_digests))
             runs.append(result)
             _say(f"pull: {result.gbps:.2f} GB/s data plane over {result.transport}, "
                  f"{result.bytes / result.total_seconds / 1e9:.2f} GB/s end to end, "
@@ -187,8 +187,8 @@ def main() -> None:
         from modelexpress.transfer import NixlTransferManager
         with NixlTransferManager() as mgr:
             mgr.register_tensors(dest)
-            warm = [pull(identity, dest, client=client, timeout_s=600, manager=mgr,
-                         prefer=[published[0]["source_id"]], verify=not args.no_digests)
+            warm = [pull(identity, dest, client=client, manager=mgr, options=PullOptions(
+                timeout_s=600, prefer=[published[0]["source_id"]], verify=not args.no_digests))
                     for _ in range(3)]
         out["gbps_p2p_warm_agent"] = max(r.gbps for r in warm)
         out["ratio_p2p_warm_agent_vs_memcpy"] = out["gbps_p2p_warm_agent"] / out["gbps_memcpy"]
@@ -204,8 +204,8 @@ def main() -> None:
                    transport=best.transport, descriptors=best.descriptors,
                    ratio_p2p_vs_memcpy=best.gbps / out["gbps_memcpy"])
         if args.sources == 2:
-            striped = [pull(identity, dest, client=client, timeout_s=600, stripe=2)
-                       for _ in range(2)]
+            striped = [pull(identity, dest, client=client,
+                            options=PullOptions(timeout_s=600, stripe=2)) for _ in range(2)]
             s_best = max(striped, key=lambda r: r.gbps)
             out["gbps_p2p_striped"] = s_best.gbps
             out["striped_sources"] = len(s_best.source_ids)

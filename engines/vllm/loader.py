@@ -64,6 +64,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from modelexpress.errors import MxError
 from modelexpress.identity import ModelIdentity
+from modelexpress.p2p.readers import AgentStart
 from modelexpress.settings import MxSettings
 
 from modelexpress.engines.vllm import probe as _probe
@@ -158,7 +159,7 @@ class MxModelLoader(BaseModelLoader):
                                         model_loader_extra_config=rest)
         self._fallback = get_model_loader(self._fallback_config)
         self.last_report: LoadReport | None = None
-        self._nixl: _EarlyManager | None = None
+        self._nixl: AgentStart | None = None
 
     # --- BaseModelLoader ----------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -199,7 +200,9 @@ class MxModelLoader(BaseModelLoader):
         identity = identity_from_vllm(vllm_config, model_config,
                                       extra=self.options.identity_extra)
         report = LoadReport(identity=identity)
-        self._nixl = (_EarlyManager(device, self._settings.nixl_backend)
+        # The NIXL agent starts while vLLM builds the model: its fixed cost leaves the
+        # load's critical path, and the same agent serves the weights afterwards.
+        self._nixl = (AgentStart(self.options.pull_options.backend, device)
                       if self.options.pull or self.options.serve else None)
         with _vllm_config_context(vllm_config), set_default_torch_dtype(model_config.dtype), \
                 maybe_enter_vmm_arena(self._arena_wanted(device), device=device.index or 0,
@@ -281,7 +284,6 @@ class MxModelLoader(BaseModelLoader):
                 from modelexpress.p2p import pull
 
                 tensors = collect_loaded_tensors(model)
-                settings = self._settings
                 logger.info("modelexpress: pulling %s rank %d (%d tensors, %.3f GB) from %d "
                             "READY source(s)", model_config.model, identity.rank, len(tensors),
                             sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9,
@@ -289,13 +291,7 @@ class MxModelLoader(BaseModelLoader):
                 attempt.touched = True
                 t0 = time.perf_counter()
                 result = pull(identity, tensors, client=client, manager=self._manager(),
-                              timeout_s=self.options.pull_timeout_s, verify=self.options.verify,
-                              policy=settings.source_policy,
-                              max_attempts=settings.max_source_attempts,
-                              chunk_bytes=settings.transfer_chunk_bytes,
-                              refuse_slow_transport=settings.refuse_slow_transport,
-                              max_gbps=settings.transfer_max_gbps,
-                              backend=settings.nixl_backend)
+                              options=self.options.pull_options)
                 report.weights_seconds = time.perf_counter() - t0
                 report.pull_result = result
                 keep = self.options.serve_after_pull
@@ -457,48 +453,6 @@ class MxModelLoader(BaseModelLoader):
         return MxClient(self.options.server_url, token=self.options.server_token,
                         timeout_s=self.options.client_timeout_s,
                         retries=self.options.client_retries)
-
-
-class _EarlyManager:
-    """A NIXL manager created in a background thread while vLLM builds the model.
-
-    Creating a NIXL agent (UCX contexts, workers, transports) takes a fixed time per
-    process that would otherwise be paid inside the pull, on the load's critical path;
-    building the model does not need it. The same manager then serves the weights
-    (its registrations are reused), so a process creates one agent, not two.
-    """
-
-    def __init__(self, device: torch.device, backend: str) -> None:
-        self._manager: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._create, args=(device, backend),
-                                        daemon=True, name="mx-nixl-agent")
-        self._thread.start()
-
-    def _create(self, device: torch.device, backend: str) -> None:
-        try:
-            if device.type == "cuda":
-                # The current CUDA device is per thread; NIXL creates its context on it.
-                torch.cuda.set_device(device)
-            from modelexpress.transfer import NixlTransferManager
-
-            self._manager = NixlTransferManager(backend=backend)
-        except BaseException as exc:  # noqa: BLE001 - re-raised where the manager is used
-            self._error = exc
-
-    def get(self) -> Any:
-        """The manager; raises what creating it raised (the caller falls back)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._manager
-
-    def close(self) -> None:
-        """Close the manager (after the thread finished). Idempotent."""
-        self._thread.join()
-        if self._manager is not None:
-            self._manager.close()
-            self._manager = None
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from modelexpress.errors import ConfigError
+from modelexpress.p2p.options import PullOptions
 from modelexpress.settings import MxSettings
 
 __all__ = ["LoaderOptions", "split_extra_config", "OPTION_KEYS", "OWN_LOAD_FORMATS"]
@@ -50,9 +51,11 @@ class LoaderOptions:
             (``mx_fallback_load_format``, default ``auto``).
         identity_extra: facts added to the identity (``mx_identity_extra``, a dict).
         client_timeout_s, client_retries: HTTP client settings (environment only).
-        settings: the settings the rest came from; the pull and serve tuning that has
-            no extra-config key (source policy, attempts, chunk size, heartbeat
-            interval, single-region arena) is read from it.
+        settings: the settings the rest came from; the serve tuning that has no
+            extra-config key (heartbeat interval, single-region arena) is read from it.
+        pull_options: how the pull runs: ``PullOptions.from_settings(settings)`` with
+            ``pull_timeout_s`` and ``verify`` over it (source policy, attempts, chunk
+            size, rate cap, transport refusal and NIXL backend come from the settings).
     """
 
     server_url: str
@@ -70,6 +73,14 @@ class LoaderOptions:
     client_timeout_s: float = 10.0
     client_retries: int = 3
     settings: MxSettings | None = None
+    pull_options: PullOptions | None = None
+
+    def __post_init__(self) -> None:
+        if self.pull_options is None:
+            pull = (PullOptions.from_settings(self.settings) if self.settings is not None
+                    else PullOptions())
+            object.__setattr__(self, "pull_options", pull.replace(
+                timeout_s=self.pull_timeout_s, verify=self.verify))
 
     @classmethod
     def from_extra_config(cls, own: Mapping[str, Any],

@@ -7,29 +7,38 @@ raises, and the caller must treat the destination tensors as garbage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
-from modelexpress.errors import (ConfigError, ConflictError, ControlPlaneError,
-                                 ManifestMismatchError, MxError, NoSourceError,
+from modelexpress.errors import (ConflictError, ManifestMismatchError, MxError, NoSourceError,
                                  TransferCancelledError, TransferError, TransferTimeoutError)
+from modelexpress.p2p.options import PullOptions
+from modelexpress.p2p.tracking import RateCap, TransferTracker, outcome_of
 
 if TYPE_CHECKING:
     import torch
 
-    from modelexpress.client import MxClient, SourceInfo, TransferInfo
+    from modelexpress.client import MxClient, SourceInfo
     from modelexpress.identity import ModelIdentity
-    from modelexpress.transfer import Manifest, NixlTransferManager, StopSignal
+    from modelexpress.p2p.readers import AgentStart, ReaderFactory, SourceReader
+    from modelexpress.transfer import Manifest, NixlTransferManager, StopSignal, TransferResult
 
-__all__ = ["PullResult", "SkippedSource", "pull", "allocate_like", "manifest_of"]
+__all__ = ["PHASES", "PullOptions", "PullResult", "SkippedSource", "pull", "allocate_like",
+           "manifest_of"]
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]
+
+
+PHASES = ("imports", "control_plane", "agent_wait", "allocate", "register", "peer", "connect",
+          "data_plane", "close", "other", "agent", "verify")
+"""Keys of ``PullResult.phases``: the critical path's, then the two that overlap it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +79,20 @@ class PullResult:
             (facts for the caller to check, e.g. the vLLM loader's probe).
         transfer_id: the control plane's record of this pull (None when the caller
             keeps its own, ``track=False``).
-        phases: where ``total_seconds`` went, in seconds: ``control_plane`` (the
-            transfer record, candidates, manifests), ``agent`` (creating the NIXL
-            agent; 0 with a caller's manager), ``register`` (registering the
-            destination), ``connect`` and ``data_plane`` (as above; ``verify`` overlaps
-            the data plane), ``other`` (the rest: planning, peers, bookkeeping).
+        verdict: the rate verdict over the sources read: ``ok``, ``slow`` (a READ was
+            judged a fallback: see ``warnings``) or ``unknown`` (none was judged).
+        phases: where ``total_seconds`` went, in seconds (keys in :data:`PHASES`). On
+            the critical path, summing to ``total_seconds``: ``imports`` (torch and the
+            transfer layer, when this call imported them), ``control_plane`` (the
+            transfer record, candidates, manifests, progress and the final report),
+            ``agent_wait`` (waiting for the NIXL agent being created), ``allocate``
+            (destination tensors), ``register`` (the destination, when not registered
+            while the agent started), ``peer`` (loading the source's agent metadata),
+            ``connect`` and ``data_plane`` (as above), ``close`` (dropping the pull's
+            agent), ``other`` (validation, planning, bookkeeping). Overlapping them:
+            ``agent`` (creating the NIXL agent and registering a given destination, in
+            a thread alongside imports and control plane; 0 with a caller's manager)
+            and ``verify`` (digests, alongside the data plane).
     """
 
     source_ids: tuple[str, ...]
@@ -96,6 +114,7 @@ class PullResult:
     expected_transport: str = ""
     transport_detail: str = ""
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    verdict: str = "unknown"
 
     def to_dict(self) -> dict[str, object]:
         """JSON-able form (for ``--json`` output)."""
@@ -181,86 +200,28 @@ def _stripes(manifest: "Manifest", names: Sequence[str], n: int) -> list[list[st
     return [s for s in out if s]
 
 
-class _Tracker:
-    """This pull's transfer record: progress (rate-limited), stop from the REST API, finish.
-
-    A control-plane error while reporting never fails the pull: the data plane goes
-    on, and only what operators see lags.
-    """
-
-    def __init__(self, client: "MxClient", record: "TransferInfo", interval_s: float) -> None:
-        self.client = client
-        self.id = record.id
-        self.interval_s = interval_s
-        self.stop_requested = threading.Event()
-        self.reading: str | None = None  # the source being read
-        self._named = record.source_id   # the source the record names
-        self._last = 0.0
-        self._started = time.monotonic()
-        self._lock = threading.Lock()
-
-    def report(self, done: int, total: int, force: bool = False) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if not force and now - self._last < self.interval_s:
-                return
-            self._last = now
-            moved = self.reading if self.reading not in (None, self._named) else None
-        try:
-            reply = self.client.report_progress(
-                self.id, done, total, done / max(now - self._started, 1e-9), source_id=moved)
-        except ControlPlaneError as exc:
-            log.warning("progress report for transfer %s failed: %s", self.id, exc)
-            return
-        if moved is not None:
-            self._named = moved
-        if reply.stop and not self.stop_requested.is_set():
-            log.info("transfer %s: stop requested through the control plane; stopping at "
-                     "the next chunk", self.id)
-            self.stop_requested.set()
-
-    def finish(self, state: str, error: str | None = None, done: int | None = None) -> None:
-        try:
-            if state == "STOPPED" and not self.stop_requested.is_set():
-                self.client.stop_transfer(self.id)  # the caller stopped it: say so first
-            self.client.finish_transfer(self.id, state, error=error, bytes_done=done)
-        except ConflictError as exc:
-            if state != "SUCCEEDED":
-                log.warning("could not record transfer %s as %s: %s", self.id, state, exc)
-                return
-            # A stop asked after the last chunk won the race (the server allows one
-            # outcome); end the record as stopped rather than leave it STOPPING.
-            log.info("transfer %s was stopped as it finished: %s", self.id, exc)
-            self.finish("STOPPED", done=done)
-        except MxError as exc:
-            log.warning("could not record transfer %s as %s: %s", self.id, state, exc)
-
-
 class _Puller:
-    """One pull: sources to try, the manager, the destination, bookkeeping."""
+    """One pull: the destination, the reader of each source, progress, the rate cap."""
 
-    def __init__(self, *, client: "MxClient", manager: "NixlTransferManager",
-                 dest: Mapping[str, "torch.Tensor"], allow_partial: bool, verify: bool,
-                 deadline: _Deadline, progress: ProgressFn | None, stop: "StopSignal | None",
-                 chunk_bytes: int, refuse_slow_transport: bool, max_gbps: float = 0.0,
-                 tracker: _Tracker | None = None) -> None:
-        self.client = client
+    def __init__(self, *, manager: "NixlTransferManager", dest: Mapping[str, "torch.Tensor"],
+                 options: PullOptions, deadline: _Deadline, progress: ProgressFn | None,
+                 stop: "StopSignal", tracker: TransferTracker | None,
+                 readers: "ReaderFactory | None") -> None:
         self.manager = manager
         self.dest = dest
-        self.allow_partial = allow_partial
-        self.verify = verify
+        self.options = options
         self.deadline = deadline
         self.progress = progress
         self.stop = stop
-        self.chunk_bytes = chunk_bytes
-        self.refuse_slow = refuse_slow_transport
+        self.tracker = tracker
+        self.readers = readers
         self.skipped: list[SkippedSource] = []
+        self.peer_seconds = 0.0
+        self.total = 0
         self._done: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.total = 0
-        self._max_bps = max_gbps * 1e9
-        self._rate_start: float | None = None
-        self.tracker = tracker
+        self.rate = RateCap(options.max_gbps, lambda: _stopped(stop), deadline.end,
+                            deadline.seconds)
 
     def _report(self, key: str, done: int) -> None:
         with self._lock:
@@ -268,49 +229,42 @@ class _Puller:
             total_done = sum(self._done.values())
         if self.progress is not None:
             self.progress(min(total_done, self.total), self.total)
-        self._throttle(total_done)
+        if self.tracker is not None:
+            self.tracker.report(min(total_done, self.total), self.total)
+        self.rate.wait(total_done)
 
-    def _throttle(self, total_done: int) -> None:
-        """Sleep between chunks until the average rate is under ``max_gbps``.
+    def reader_for(self, info: "SourceInfo", manifest: "Manifest") -> "SourceReader":
+        """The caller's reader for this source if it offers one, else a NIXL READ."""
+        from modelexpress.p2p.readers import NixlReader
 
-        The clock starts with the first READ, so setup time is no credit; a stop or
-        the deadline ends the sleep early (the READ loop then raises).
-        """
-        if self._max_bps <= 0 or self._rate_start is None:
-            return
-        ahead = total_done / self._max_bps - (time.monotonic() - self._rate_start)
-        remaining = self.deadline.end - time.monotonic()
-        end = time.monotonic() + min(ahead, remaining)
-        while time.monotonic() < end and not _stopped(self.stop):
-            time.sleep(min(end - time.monotonic(), 0.05))
-        if ahead > remaining and not _stopped(self.stop):
-            raise TransferTimeoutError(
-                f"pull deadline of {self.deadline.seconds:.0f} s ran out with the receive "
-                f"rate capped at {self._max_bps / 1e9:g} GB/s (MX_TRANSFER_MAX_GBPS)")
+        chosen = self.readers(info, manifest) if self.readers is not None else None
+        return chosen or NixlReader(self.manager, info, manifest,
+                                    chunk_bytes=self.options.chunk_bytes,
+                                    verify=self.options.verify,
+                                    refuse_slow_transport=self.options.refuse_slow_transport)
 
     def read_from(self, info: "SourceInfo", manifest: "Manifest",
-                  dest: Mapping[str, "torch.Tensor"], key: str, allow_partial: bool):  # noqa: ANN201
+                  dest: Mapping[str, "torch.Tensor"], key: str,
+                  allow_partial: bool) -> "TransferResult":
         """READ ``dest`` from one source; returns the data plane's TransferResult."""
-        assert info.agent_metadata is not None
-        if self._rate_start is None:
-            self._rate_start = time.monotonic()
+        if self.rate.started is None and self.tracker is not None:
+            self.tracker.begin()
+        self.rate.start()
         if self.tracker is not None:
             self.tracker.reading = info.id
-        peer = self.manager.add_peer(info.agent_metadata)
         try:
-            return self.manager.read(
-                manifest, dest, peer=peer, allow_partial=allow_partial,
-                chunk_bytes=self.chunk_bytes,
-                deadline_s=self.deadline.left(f"before reading from source {info.id}"),
+            result = self.reader_for(info, manifest).read_into(
+                dest, allow_partial=allow_partial,
                 progress=lambda done, _total: self._report(key, done), stop=self.stop,
-                verify=self.verify, refuse_slow_transport=self.refuse_slow)
+                deadline_s=self.deadline.left(f"before reading from source {info.id}"))
         except TransferCancelledError:
             raise  # what arrived before the stop is reported as is
         except BaseException:
             self._report(key, 0)  # a failed attempt's bytes do not count
             raise
-        finally:
-            self.manager.remove_peer(peer)
+        with self._lock:
+            self.peer_seconds = max(self.peer_seconds, result.peer_seconds)
+        return result
 
     def skip(self, info: "SourceInfo", reason: str) -> None:
         self.skip_id(info.id, reason, info.worker_id)
@@ -320,56 +274,61 @@ class _Puller:
         self.skipped.append(SkippedSource(source_id, worker_id, reason))
 
 
+class _Clock:
+    """Where a pull's time goes on its critical path (see ``PullResult.phases``)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] += time.perf_counter() - t0
+
+    def total(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def _on_host(dest: Mapping[str, "torch.Tensor"] | None, device: str) -> bool:
+    if dest is None:
+        return device == "cpu"
+    return all(t.device.type == "cpu" for t in dest.values())
+
+
 def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = None, *,
-         client: "MxClient | None" = None, server: str | None = None,
-         token: str | None = None, device: str = "cpu", timeout_s: float = 600.0,
-         verify: bool = True, allow_partial: bool = False, progress: ProgressFn | None = None,
-         stop: "StopSignal | None" = None, policy: str = "random", max_attempts: int = 3,
-         stripe: int = 1, prefer: Sequence[str] = (), exclude_workers: Sequence[str] = (),
-         manager: "NixlTransferManager | None" = None, chunk_bytes: int = 1 << 30,
-         refuse_slow_transport: bool = False, on_destination: Callable[
-             [Mapping[str, "torch.Tensor"]], None] | None = None,
-         max_gbps: float = 0.0, track: bool = True, worker_id: str | None = None,
-         progress_interval_s: float = 0.5, backend: str = "UCX") -> PullResult:
+         client: "MxClient", options: PullOptions | None = None,
+         manager: "NixlTransferManager | None" = None, progress: ProgressFn | None = None,
+         stop: "StopSignal | None" = None,
+         on_destination: Callable[[Mapping[str, "torch.Tensor"]], None] | None = None,
+         record: TransferTracker | None = None, fetched: Sequence["SourceInfo"] = (),
+         readers: "ReaderFactory | None" = None) -> PullResult:
     """Pull the weights of ``identity`` from READY sources into ``dest``.
 
     Args:
         identity: what to pull; only sources publishing exactly this identity qualify.
         dest: name -> destination tensor (contiguous). When None, tensors are allocated
-            on ``device`` from the first source's manifest (``on_destination`` sees them
-            before any byte moves; the result does not carry them, so pass a callback
-            or your own ``dest`` to keep them).
-        client: control-plane client (or pass ``server``).
-        server: control-plane URL; a client is made (and closed) for this call.
-        token: the server's bearer token, with ``server``.
-        device: where to allocate when ``dest`` is None.
-        timeout_s: deadline for the whole pull, all attempts included.
-        verify: check digests (``MX_VERIFY_DIGESTS``).
-        allow_partial: tensors present on one side only are skipped instead of an error.
+            on ``options.device`` from the first source's manifest (``on_destination``
+            sees them before any byte moves; the result does not carry them, so pass a
+            callback or your own ``dest`` to keep them).
+        client: control-plane client.
+        options: :class:`PullOptions` (``PullOptions.from_settings(settings)`` at an
+            entry point); defaults when None.
+        manager: NIXL manager to read with (it is not closed); when None one is created
+            (overlapping the control-plane calls) and closed.
         progress: ``progress(bytes_done, bytes_total)``, called from the READ loop.
         stop: ``threading.Event`` or callable; honoured between chunks.
-        policy: ``random`` or ``spread`` (``MX_SOURCE_POLICY``).
-        max_attempts: sources tried at most (``MX_MAX_SOURCE_ATTEMPTS``).
-        stripe: read from up to this many sources at once, each a contiguous share of
-            the tensors (falls back to fewer when fewer are READY).
-        prefer: source ids to try first, in order (e.g. the one the server assigned).
-        exclude_workers: worker ids never chosen (e.g. this worker's own source).
-        manager: NIXL manager to read with; one is created and closed when None.
-        chunk_bytes: bytes per READ chunk (``MX_TRANSFER_CHUNK_BYTES``).
-        refuse_slow_transport: fail on a detected transport fallback.
         on_destination: called with the destination tensors before any byte moves.
-        max_gbps: cap on the receive rate in GB/s, enforced between chunks (0: none;
-            ``MX_TRANSFER_MAX_GBPS``).
-        track: make this pull a transfer the control plane knows: a record created for
-            it (run by this process), the server's order of candidate sources, progress
-            reports, a stop through the REST API honoured at the next chunk, and the
-            outcome recorded. An agent, whose transfers already have a record, passes
-            False (the server's order of candidates is used either way).
-        worker_id: this process's worker id in that record (default
-            ``pull-<host>-<pid>-<random>``); its own sources are never candidates.
-        progress_interval_s: at most one progress report per this many seconds.
-        backend: the NIXL backend of the manager made when ``manager`` is None
-            (``MX_NIXL_BACKEND``).
+        record: the transfer record the caller holds (an agent's REST transfer):
+            progress and a stop go through it, and the caller finishes it. Without it,
+            ``options.track`` makes the pull create, report on and finish its own.
+        fetched: sources the caller already fetched with ``get_source``; their
+            manifests are not fetched again.
+        readers: picks the reader of a source (None from it: NIXL); see
+            :mod:`~modelexpress.p2p.readers`.
 
     Returns:
         A :class:`PullResult`.
@@ -378,177 +337,226 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         NoSourceError: no READY source, or every attempt failed (the message lists why).
         ManifestMismatchError: the source's tensors do not match ``dest`` (before any
             byte moved); not retried, since every source of one identity has one layout.
-        TransferCancelledError: ``stop`` was set.
-        TransferTimeoutError: ``timeout_s`` ran out.
+        TransferCancelledError: ``stop`` was set, or the record was stopped.
+        TransferTimeoutError: ``options.timeout_s`` ran out.
     """
-    if max_attempts < 1 or stripe < 1 or timeout_s <= 0 or max_gbps < 0:
-        raise ConfigError(f"max_attempts and stripe must be >= 1, timeout_s > 0 and "
-                          f"max_gbps >= 0 (got {max_attempts}, {stripe}, {timeout_s}, "
-                          f"{max_gbps})")
-    from modelexpress.transfer import NixlTransferManager
-
-    own_client = None
-    if client is None:
-        if server is None:
-            raise ConfigError("pull needs client= (an MxClient) or server= (the control-plane URL)")
-        from modelexpress.client import MxClient
-        client = own_client = MxClient(server, token=token)
-    tracker: _Tracker | None = None
+    opts = options if options is not None else PullOptions()
+    clock = _Clock()
+    deadline = _Deadline(opts.timeout_s)
+    # The NIXL agent starts now, in a thread, while this one talks to the control plane
+    # and imports torch. A GPU destination's CUDA context must exist before UCX starts:
+    # with no destination yet, the agent waits until torch is imported and the device known.
+    start: "AgentStart | None" = None
+    if manager is None and (dest is not None or opts.device == "cpu"):
+        start = _start_agent(opts, dest)
+    tracker = record
+    own_record: TransferTracker | None = None
+    mgr: "NixlTransferManager | None" = manager
     try:
-        started = time.monotonic()
-        deadline = _Deadline(timeout_s)
-        candidate_ids, tracker = _candidates(client, identity, policy=policy, track=track,
-                                             worker_id=worker_id,
-                                             interval_s=progress_interval_s)
-        by_preference = ([i for i in prefer if i in candidate_ids]
-                         + [i for i in candidate_ids if i not in set(prefer)])
-        if not by_preference:
-            raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
-                                f"rank {identity.rank}) on the control plane")
-
+        with clock.phase("control_plane"):
+            candidate_ids, own_record = _candidates(client, identity, opts, record is not None)
+            tracker = tracker or own_record
+            by_preference = ([i for i in opts.prefer if i in candidate_ids]
+                             + [i for i in candidate_ids if i not in set(opts.prefer)])
+            if not by_preference:
+                raise NoSourceError(f"no READY source for {identity.model} (identity "
+                                    f"{identity.id}, rank {identity.rank}) on the control plane")
         user_stop = stop
-        stop_signal = stop if tracker is None else (
-            lambda: _stopped(user_stop) or tracker.stop_requested.is_set())
-
-        def report(done: int, total: int) -> None:
-            if progress is not None:
-                progress(done, total)
-            if tracker is not None:
-                tracker.report(done, total)
-
-        phases = {"control_plane": time.monotonic() - started, "agent": 0.0, "register": 0.0}
-        owns = manager is None
-        t0 = time.monotonic()
-        mgr = manager or NixlTransferManager(backend=backend)
-        phases["agent"] = time.monotonic() - t0
-        puller = _Puller(client=client, manager=mgr, dest=dest or {}, allow_partial=allow_partial,
-                         verify=verify, deadline=deadline, progress=report, stop=stop_signal,
-                         chunk_bytes=chunk_bytes, refuse_slow_transport=refuse_slow_transport,
-                         max_gbps=max_gbps, tracker=tracker)
-        try:
-            # Fetch manifests lazily: a source may vanish between list and get.
-            fetched: list[tuple["SourceInfo", "Manifest"]] = []
-            excluded = set(exclude_workers)
-            t0 = time.monotonic()
-            for source_id in by_preference:
-                if len(fetched) >= max(stripe, max_attempts):
-                    break
-                try:
-                    full = client.get_source(source_id)
-                except MxError as exc:
-                    puller.skip_id(source_id, f"could not fetch its manifest: {exc}")
-                    continue
-                if full.worker_id in excluded:
-                    continue
-                try:
-                    fetched.append((full, manifest_of(full)))
-                except MxError as exc:
-                    puller.skip(full, f"unusable manifest: {exc}")
-            phases["control_plane"] += time.monotonic() - t0
-            if not fetched:
-                raise NoSourceError(_no_source_message(identity, puller.skipped))
-            attributes = {info.id: manifest.attributes for info, manifest in fetched}
-            if dest is None:
-                dest = allocate_like(fetched[0][1], device)
-                puller.dest = dest
-            if on_destination is not None:
-                on_destination(dest)
-            # Validate every candidate before any byte moves. A source whose tensors do
-            # not fit the destination (another checkpoint published under the same
-            # identity) is skipped with the reason, not allowed to fail the pull.
-            usable, plans, mismatch = [], [], None
-            for info, manifest in fetched:
-                try:
-                    plans.append(mgr.plan(manifest, dest, allow_partial=allow_partial))
-                except ManifestMismatchError as exc:
-                    puller.skip(info, f"its tensors do not match the destination: {exc}")
-                    mismatch = mismatch or exc
-                    continue
-                usable.append((info, manifest))
-            if not usable:
-                assert mismatch is not None
-                raise mismatch
-            fetched = usable
-            puller.total = plans[0].total_bytes
-            if owns:
-                # Register once up front: striped READs run in parallel threads and must
-                # not race to register the same destination memory.
-                t0 = time.monotonic()
-                mgr.register_tensors(dict(dest))
-                phases["register"] = time.monotonic() - t0
-            if stripe > 1 and len(fetched) > 1:
-                results = _pull_striped(puller, fetched[:stripe], fetched, max_attempts)
-            else:
-                results = _pull_sequential(puller, fetched[:max_attempts], dest, allow_partial,
-                                           identity)
-        finally:
-            if owns:
-                mgr.close()
-        seconds = max(r.seconds for _, r in results)
-        total = time.monotonic() - started
-        phases["connect"] = max(r.connect_seconds for _, r in results)
-        phases["data_plane"] = seconds
-        phases["verify"] = sum(r.verify_seconds for _, r in results)
-        phases["other"] = max(total - sum(v for k, v in phases.items() if k != "verify"), 0.0)
-        nbytes = sum(r.bytes for _, r in results)
-        out = PullResult(
-            source_ids=tuple(info.id for info, _ in results), bytes=nbytes, seconds=seconds,
-            gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-            transport=",".join(sorted({r.transport for _, r in results})),
-            descriptors=sum(r.descriptors for _, r in results),
-            tensors=sum(r.tensors for _, r in results),
-            verified=all(r.verified for _, r in results), skipped=tuple(puller.skipped),
-            warnings=tuple(w for _, r in results for w in r.warnings),
-            total_seconds=total,
-            verify_seconds=sum(r.verify_seconds for _, r in results),
-            connect_seconds=max(r.connect_seconds for _, r in results),
-            source_attributes={info.id: attributes[info.id] for info, _ in results},
-            transfer_id=tracker.id if tracker is not None else None,
-            expected_transport=",".join(sorted({r.expected_transport for _, r in results})),
-            transport_detail="; ".join(dict.fromkeys(r.transport_detail for _, r in results)),
-            phases={k: round(v, 6) for k, v in phases.items()})
-        log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s)%s",
-                 identity.model, out.bytes, out.tensors, ",".join(out.source_ids), out.seconds,
-                 out.gbps, out.transport,
-                 f"; skipped {len(out.skipped)} source(s)" if out.skipped else "")
+        stop_signal: "StopSignal" = (
+            (lambda: _stopped(user_stop) or tracker.stop_requested.is_set())
+            if tracker is not None else (stop or (lambda: False)))
+        skipped: list[SkippedSource] = []
+        with clock.phase("control_plane"):
+            sources = _fetch_sources(client, by_preference, opts, fetched, skipped)
+        if not sources:
+            raise NoSourceError(_no_source_message(identity, skipped))
+        with clock.phase("imports"):
+            import torch  # noqa: F401 - a fresh process pays this here, on the critical path
+            from modelexpress.transfer.planner import plan_read
+        if start is None and manager is None:
+            start = _start_agent(opts, None)
+        if dest is None:
+            with clock.phase("allocate"):
+                dest = allocate_like(sources[0][1], opts.device)
+        if on_destination is not None:
+            on_destination(dest)
+        # Validate every candidate before any byte moves. A source whose tensors do not
+        # fit the destination (another checkpoint published under the same identity) is
+        # skipped with the reason, not allowed to fail the pull.
+        usable, mismatch, total = [], None, 0
+        for info, manifest in sources:
+            try:
+                total = plan_read(manifest, dest, allow_partial=opts.allow_partial,
+                                  chunk_bytes=opts.chunk_bytes).total_bytes
+            except ManifestMismatchError as exc:
+                skipped.append(_skipped(info, f"its tensors do not match the destination: {exc}"))
+                mismatch = mismatch or exc
+                continue
+            usable.append((info, manifest))
+        if not usable:
+            assert mismatch is not None
+            raise mismatch
         if tracker is not None:
-            tracker.report(out.bytes, out.bytes, force=True)
-            tracker.finish("SUCCEEDED", done=out.bytes)
+            tracker.report(0, total, force=True)  # PENDING -> RUNNING, with the total
+        with clock.phase("agent_wait"):
+            mgr = start.get() if start is not None else mgr
+        assert mgr is not None
+        if start is not None and not start.registered:
+            # Register once up front: striped READs run in parallel threads and must
+            # not race to register the same destination memory.
+            with clock.phase("register"):
+                mgr.register_tensors(dict(dest))
+        puller = _Puller(manager=mgr, dest=dest, options=opts, deadline=deadline,
+                         progress=progress, stop=stop_signal, tracker=tracker, readers=readers)
+        puller.skipped = skipped
+        puller.total = total
+        if opts.stripe > 1 and len(usable) > 1:
+            results = _pull_striped(puller, usable[:opts.stripe], usable, opts.max_attempts)
+        else:
+            results = _pull_sequential(puller, usable[:opts.max_attempts], dest,
+                                       opts.allow_partial, identity)
+        agent_s = start.seconds if start is not None else 0.0
+        if start is not None:
+            with clock.phase("close"):
+                start.close()  # disconnect, deregister, drop the agent: part of this pull
+            start = None
+        out = _result(results, puller, sources, clock, tracker, agent_s)
+        with clock.phase("control_plane"):
+            if tracker is not None:
+                tracker.report(out.bytes, out.bytes, force=True, rate_bps=out.gbps * 1e9)
+            if own_record is not None:
+                own_record.finish("SUCCEEDED", done=out.bytes, outcome=outcome_of(out))
+        out = dataclasses.replace(out, total_seconds=clock.total(),
+                                  phases=_phases(clock, results, puller, agent_s))
+        log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s; the "
+                 "pull took %.3f s)%s", identity.model, out.bytes, out.tensors,
+                 ",".join(out.source_ids), out.seconds, out.gbps, out.transport,
+                 out.total_seconds,
+                 f"; skipped {len(out.skipped)} source(s)" if out.skipped else "")
         return out
     except TransferCancelledError:
-        if tracker is not None:
-            tracker.finish("STOPPED")
+        if own_record is not None:
+            own_record.finish("STOPPED", done=own_record.done)
         raise
     except BaseException as exc:
-        if tracker is not None:
-            tracker.finish("FAILED", error=f"{type(exc).__name__}: {exc}"[:8000])
+        if own_record is not None:
+            own_record.finish("FAILED", error=f"{type(exc).__name__}: {exc}"[:8000],
+                              done=own_record.done)
         raise
     finally:
-        if own_client is not None:
-            own_client.close()
+        if start is not None:
+            start.close()
 
 
-def _candidates(client: "MxClient", identity: "ModelIdentity", *, policy: str, track: bool,
-                worker_id: str | None,
-                interval_s: float) -> tuple[list[str], "_Tracker | None"]:
-    """Source ids in the server's order and, with ``track``, this pull's record."""
-    from modelexpress.p2p.selection import POLICIES
+def _start_agent(opts: PullOptions, dest: Mapping[str, "torch.Tensor"] | None) -> "AgentStart":
+    from modelexpress.p2p.readers import AgentStart
 
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown source policy {policy!r}; allowed: {', '.join(POLICIES)}")
-    if not track:
-        return [s.id for s in client.rank_sources(identity, policy=policy)], None
+    if _on_host(dest, opts.device):
+        return AgentStart(opts.backend, None, register=dest)
+    import torch
+
+    device = next(iter(dest.values())).device if dest else torch.device(opts.device)
+    return AgentStart(opts.backend, device, register=dest)
+
+
+def _skipped(info: "SourceInfo", reason: str) -> SkippedSource:
+    log.warning("skipping source %s (worker %s): %s", info.id, info.worker_id, reason)
+    return SkippedSource(info.id, info.worker_id, reason)
+
+
+def _candidates(client: "MxClient", identity: "ModelIdentity", opts: PullOptions,
+                has_record: bool) -> tuple[list[str], TransferTracker | None]:
+    """Source ids in the server's order and, when the pull tracks itself, its record."""
+    if has_record or not opts.track:
+        return [s.id for s in client.rank_sources(identity, policy=opts.policy)], None  # type: ignore[arg-type]
     from modelexpress.p2p.source import default_worker_id
 
     try:
-        record = client.start_transfer(identity, worker_id or default_worker_id("pull"),
-                                       policy=policy, run_by_target=True)
+        record = client.start_transfer(identity, opts.worker_id or default_worker_id("pull"),
+                                       policy=opts.policy,  # type: ignore[arg-type]
+                                       run_by_target=True)
     except ConflictError as exc:
         raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
                             f"rank {identity.rank}): {exc}") from exc
     log.info("pull of %s is transfer %s (%d candidate sources)", identity.model, record.id,
              len(record.candidates))
-    return list(record.candidates), _Tracker(client, record, interval_s)
+    return list(record.candidates), TransferTracker(
+        client, record.id, interval_s=opts.progress_interval_s, source_id=record.source_id,
+        run_by_target=True)
+
+
+def _fetch_sources(client: "MxClient", ids: Sequence[str], opts: PullOptions,
+                   fetched: Sequence["SourceInfo"], skipped: list[SkippedSource]
+                   ) -> list[tuple["SourceInfo", "Manifest"]]:
+    """Manifests of the first usable candidates, fetched lazily (a source may vanish
+    between the list and the get); those the caller fetched already are reused."""
+    known = {info.id: info for info in fetched}
+    excluded = set(opts.exclude_workers)
+    out: list[tuple["SourceInfo", "Manifest"]] = []
+    for source_id in ids:
+        if len(out) >= max(opts.stripe, opts.max_attempts):
+            break
+        full = known.get(source_id)
+        if full is None or full.manifest is None or full.agent_metadata is None:
+            try:
+                full = client.get_source(source_id)
+            except MxError as exc:
+                log.warning("skipping source %s: could not fetch its manifest: %s",
+                            source_id, exc)
+                skipped.append(SkippedSource(source_id, "?",
+                                             f"could not fetch its manifest: {exc}"))
+                continue
+        if full.worker_id in excluded:
+            continue
+        try:
+            out.append((full, manifest_of(full)))
+        except MxError as exc:
+            skipped.append(_skipped(full, f"unusable manifest: {exc}"))
+    return out
+
+
+def _verdict(result: "TransferResult") -> str:
+    if not result.verdict.ok:
+        return "slow"
+    return "unknown" if result.verdict.gbps is None else "ok"
+
+
+def _result(results: list, puller: _Puller, sources: list, clock: _Clock,  # noqa: ANN001
+            tracker: TransferTracker | None, agent_s: float) -> PullResult:
+    seconds = max(r.seconds for _, r in results)
+    nbytes = sum(r.bytes for _, r in results)
+    verdicts = {_verdict(r) for _, r in results}
+    attributes = {info.id: manifest.attributes for info, manifest in sources}
+    return PullResult(
+        source_ids=tuple(info.id for info, _ in results), bytes=nbytes, seconds=seconds,
+        gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        transport=",".join(sorted({r.transport for _, r in results})),
+        descriptors=sum(r.descriptors for _, r in results),
+        tensors=sum(r.tensors for _, r in results),
+        verified=all(r.verified for _, r in results), skipped=tuple(puller.skipped),
+        warnings=tuple(w for _, r in results for w in r.warnings),
+        total_seconds=clock.total(),
+        verify_seconds=sum(r.verify_seconds for _, r in results),
+        connect_seconds=max(r.connect_seconds for _, r in results),
+        source_attributes={info.id: attributes[info.id] for info, _ in results},
+        transfer_id=tracker.id if tracker is not None else None,
+        expected_transport=",".join(sorted({r.expected_transport for _, r in results})),
+        transport_detail="; ".join(dict.fromkeys(r.transport_detail for _, r in results)),
+        verdict="slow" if "slow" in verdicts else "ok" if verdicts == {"ok"} else "unknown",
+        phases=_phases(clock, results, puller, agent_s))
+
+
+def _phases(clock: _Clock, results: list, puller: _Puller,  # noqa: ANN001
+            agent_s: float) -> dict[str, float]:
+    total = clock.total()
+    phases = dict(clock.phases)
+    phases["peer"] = puller.peer_seconds
+    phases["connect"] = max(r.connect_seconds for _, r in results)
+    phases["data_plane"] = max(r.seconds for _, r in results)
+    phases["other"] = max(total - sum(phases.values()), 0.0)
+    phases["agent"] = agent_s
+    phases["verify"] = sum(r.verify_seconds for _, r in results)
+    return {k: round(phases[k], 6) for k in PHASES}
 
 
 def _no_source_message(identity: "ModelIdentity", skipped: Sequence[SkippedSource]) -> str:

@@ -115,6 +115,8 @@ class TransferResult:
             what the verdict compares against, not what was used.
         transport_detail: one line: where ``transport`` was read (the UCX log file),
             or why it is ``unknown``.
+        peer_seconds: loading the peer's agent metadata before the READ (set by a
+            caller that timed ``add_peer``; 0 otherwise).
     """
 
     bytes: int
@@ -132,6 +134,7 @@ class TransferResult:
     connect_seconds: float = 0.0
     expected_transport: str = ""
     transport_detail: str = ""
+    peer_seconds: float = 0.0
 
 
 class NixlTransferManager(ClosedOnCollect):
@@ -514,9 +517,11 @@ class NixlTransferManager(ClosedOnCollect):
         _digest.prepare(algo, (local[p.name] for p in plan.pairs))
         sizes = [int(n) for n in plan.local_descs[:, 1]] if len(plan.local_descs) else []
         with self._observer.reading(peer, plan.local_mem, plan.remote_mem, sizes) as watch:
-            runner = ReadLoop(self, plan, local, peer, algo, deadline_s, progress, stop,
+            runner = ReadLoop(self._agent, plan, local, peer, algo, deadline_s, progress, stop,
                               on_tensor_done, max_inflight, expected, refuse_slow_transport,
-                              probe_bytes, watch)
+                              probe_bytes, watch,
+                              done_notification=f"mx-read-done {self.name} {plan.total_bytes}"
+                              .encode())
             seconds, verify_s, probe_verdict = runner.run()
         facts = watch.facts()
         total = plan.total_bytes

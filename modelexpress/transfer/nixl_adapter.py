@@ -172,7 +172,10 @@ def _ensure_cuda_context() -> None:
     CPU-only users and the other GPUs pay nothing.
     """
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
+    # A torch still being imported (by another thread: a pull into host memory imports
+    # it while its agent starts) has made no CUDA context and is not ours to touch.
+    if torch is None or getattr(torch.__spec__, "_initializing", False) \
+            or not torch.cuda.is_available():
         return
     torch.cuda.synchronize(torch.cuda.current_device())
 

@@ -28,7 +28,7 @@ from modelexpress.transfer.planner import ReadPlan
 from modelexpress.transfer.transport import TransportVerdict, assess
 
 if TYPE_CHECKING:
-    from modelexpress.transfer.manager import NixlTransferManager
+    from modelexpress.transfer.nixl_adapter import NixlAgent
     from modelexpress.transfer.observer import ReadWatch
 
 __all__ = ["ReadLoop", "StopSignal", "ProgressCallback", "stopped"]
@@ -53,14 +53,21 @@ def stopped(stop: StopSignal | None) -> bool:
 
 
 class ReadLoop:
-    """The chunk loop of one READ (kept apart so ``read`` stays readable)."""
+    """The chunk loop of one READ (kept apart so ``read`` stays readable).
 
-    def __init__(self, mgr: "NixlTransferManager", plan: ReadPlan, local: Mapping[str, Any],
+    It gets what it uses, nothing more: the NIXL agent to post on, the plan, the
+    destination, and ``done_notification``, the bytes the last chunk carries to the
+    source (``mx-read-done <reader> <bytes>``; the source logs who read what).
+    """
+
+    def __init__(self, agent: "NixlAgent", plan: ReadPlan, local: Mapping[str, Any],
                  peer: str, algo: str | None, deadline_s: float,
                  progress: ProgressCallback | None, stop: StopSignal | None,
                  on_tensor_done: Callable[[str], None] | None, max_inflight: int,
-                 expected: str, refuse: bool, probe_bytes: int, watch: "ReadWatch") -> None:
-        self.mgr, self.agent, self.plan, self.local = mgr, mgr._agent, plan, local
+                 expected: str, refuse: bool, probe_bytes: int, watch: "ReadWatch",
+                 done_notification: bytes = b"") -> None:
+        self.agent, self.plan, self.local = agent, plan, local
+        self.done_notification = done_notification
         self.peer, self.algo, self.deadline_s = peer, algo, deadline_s
         self.progress, self.stop, self.on_tensor_done = progress, stop, on_tensor_done
         self.max_inflight, self.expected, self.refuse = max_inflight, expected, refuse
@@ -189,7 +196,7 @@ class ReadLoop:
                     c = plan.chunks[next_chunk]
                     idx = np.arange(c.start, c.stop, dtype=np.int32)
                     last = next_chunk == len(plan.chunks) - 1
-                    notif = f"mx-read-done {self.mgr.name} {total}".encode() if last else b""
+                    notif = self.done_notification if last else b""
                     req = agent.make_read(local_h, idx, remote_h, idx, peer, notif)
                     inflight.append((next_chunk, req, time.perf_counter()))
                     if agent.post(req, peer, c.nbytes) == "ERR":

@@ -1,14 +1,12 @@
 """The agent (REST transfers) pulls with the same settings as ``modelexpress pull``.
 
-``AgentOptions.from_settings`` is where an agent's options come from; these tests keep
-it reading every setting the pull command reads, and check with real processes that
-one of them, ``MX_REFUSE_SLOW_TRANSPORT``, changes what the agent's pull does.
+Both build their pull options with ``PullOptions.from_settings``
+(tests/p2p/test_pull_options.py checks every entry point does); these tests check the
+agent's flags land in the right place, and with real processes that one setting,
+``MX_REFUSE_SLOW_TRANSPORT``, changes what the agent's pull does.
 """
 
 from __future__ import annotations
-
-import ast
-import pathlib
 
 import pytest
 
@@ -17,45 +15,29 @@ from modelexpress.identity import ModelIdentity
 from modelexpress.p2p.agent import AgentOptions
 from modelexpress.settings import MxSettings
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _settings_read_in(path: pathlib.Path, *qualname: str) -> set[str]:
-    """Fields read as ``settings.<field>`` inside the function ``qualname`` of ``path``."""
-    node: ast.AST = ast.parse(path.read_text())
-    for name in qualname:
-        node = next(n for n in ast.iter_child_nodes(node)
-                    if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name)
-    return {n.attr for n in ast.walk(node)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-            and n.value.id == "settings" and n.attr in MxSettings.model_fields}
-
-
-def test_agent_options_read_every_setting_the_pull_command_reads() -> None:
-    by_pull = _settings_read_in(ROOT / "modelexpress" / "p2p" / "cli.py", "pull")
-    by_agent = _settings_read_in(ROOT / "modelexpress" / "p2p" / "agent.py",
-                                 "AgentOptions", "from_settings")
-    assert "refuse_slow_transport" in by_pull  # the scan sees what it should
-    assert by_pull - by_agent == set(), (
-        "modelexpress pull reads settings that an agent's REST transfers ignore")
-
 
 def test_refuse_slow_transport_from_the_environment_reaches_agent_options(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    assert AgentOptions.from_settings(MxSettings()).refuse_slow_transport is False
+    assert AgentOptions.from_settings(MxSettings()).pull.refuse_slow_transport is False
     monkeypatch.setenv("MX_REFUSE_SLOW_TRANSPORT", "1")
     monkeypatch.setenv("MX_TRANSFER_CHUNK_BYTES", str(4 << 20))
     options = AgentOptions.from_settings(MxSettings())
-    assert options.refuse_slow_transport is True
-    assert options.chunk_bytes == 4 << 20
+    assert options.pull.refuse_slow_transport is True
+    assert options.pull.chunk_bytes == 4 << 20
+    assert options.pull.track is False  # the REST API made the record
 
 
 def test_flags_override_settings_and_unknown_ones_are_refused(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("MX_TRANSFER_MAX_GBPS", "2.5")
+    monkeypatch.setenv("MX_SERVE_AFTER_PULL", "0")
     settings = MxSettings()
-    assert AgentOptions.from_settings(settings).max_gbps == 2.5
-    assert AgentOptions.from_settings(settings, max_gbps=0.5, device="cpu").max_gbps == 0.5
+    assert AgentOptions.from_settings(settings).pull.max_gbps == 2.5
+    options = AgentOptions.from_settings(settings, max_gbps=0.5, device="cpu", out_dir=tmp_path,
+                                         serve_after_pull=True)
+    assert options.pull.max_gbps == 0.5 and options.device == "cpu"
+    assert options.out_dir == tmp_path and options.serve_after_pull is True
+    assert AgentOptions.from_settings(settings).serve_after_pull is False
     with pytest.raises(TypeError, match="refuse_slow"):
         AgentOptions.from_settings(settings, refuse_slow=True)
 

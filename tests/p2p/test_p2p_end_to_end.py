@@ -17,7 +17,7 @@ from conftest import MODEL, Cluster
 from modelexpress.checkpoint import load_checkpoint, real_model_checkpoint
 from modelexpress.errors import ManifestMismatchError, NoSourceError
 from modelexpress.identity import ModelIdentity
-from modelexpress.p2p import pull
+from modelexpress.p2p import PHASES, PullOptions, pull
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -48,10 +48,10 @@ def test_publish_in_one_process_pull_in_another(cluster: Cluster,
     _, published = cluster.source()
     assert published["identity"]["id"] == IDENTITY.id
     dest = _sentinel_like(reference)
-    # by URL: pull makes (and closes) its own client
-    result = pull(IDENTITY, dest, server=cluster.server.url, token=cluster.server.token,
-                  timeout_s=120)
+    result = pull(IDENTITY, dest, client=cluster.client, options=PullOptions(timeout_s=120))
     assert result.source_ids == (published["source_id"],)
+    assert set(result.phases) == set(PHASES)
+    assert result.verdict in ("ok", "slow", "unknown")
     assert result.bytes == sum(t.numel() * t.element_size() for t in reference.values())
     assert result.verified and result.tensors == len(reference)
     assert all(_same_bytes(dest[n], t) for n, t in reference.items())
@@ -62,7 +62,8 @@ def test_striped_pull_from_two_sources(cluster: Cluster,
     _, a = cluster.source("a")
     _, b = cluster.source("b")
     dest = _sentinel_like(reference)
-    result = pull(IDENTITY, dest, client=cluster.client, timeout_s=120, stripe=2)
+    result = pull(IDENTITY, dest, client=cluster.client,
+                  options=PullOptions(timeout_s=120, stripe=2))
     assert sorted(result.source_ids) == sorted([a["source_id"], b["source_id"]])
     assert all(_same_bytes(dest[n], t) for n, t in reference.items())
 
@@ -115,8 +116,9 @@ def test_source_killed_mid_transfer_moves_to_next(cluster: Cluster,
             victim.proc.wait(10)
             killed.append(done)
 
-    result = pull(IDENTITY, dest, client=cluster.client, timeout_s=120,
-                  prefer=[first["source_id"]], chunk_bytes=4 << 20,
+    result = pull(IDENTITY, dest, client=cluster.client,
+                  options=PullOptions(timeout_s=120, prefer=[first["source_id"]],
+                                      chunk_bytes=4 << 20),
                   progress=kill_after_first_chunk)
     assert killed, "the first source was never read from"
     assert result.source_ids == (second["source_id"],)
@@ -136,8 +138,8 @@ def test_source_killed_with_none_left_fails_clearly(cluster: Cluster,
     import time
     start = time.monotonic()
     with pytest.raises(NoSourceError, match=first["source_id"]):
-        pull(IDENTITY, dest, client=cluster.client, timeout_s=60, chunk_bytes=4 << 20,
-             progress=kill)
+        pull(IDENTITY, dest, client=cluster.client,
+             options=PullOptions(timeout_s=60, chunk_bytes=4 << 20), progress=kill)
     assert time.monotonic() - start < 60
 
 
@@ -153,7 +155,8 @@ def test_stale_source_is_never_chosen(cluster: Cluster,
                          "the frozen source to go STALE", deadline_s=30)
         for _ in range(4):
             dest = _sentinel_like(reference)
-            result = pull(IDENTITY, dest, client=cluster.client, timeout_s=30, policy="random")
+            result = pull(IDENTITY, dest, client=cluster.client,
+                          options=PullOptions(timeout_s=30, policy="random"))
             assert result.source_ids == (live["source_id"],)
     finally:
         os.kill(frozen.proc.pid, signal.SIGCONT)
@@ -170,7 +173,7 @@ def test_manifest_mismatch_is_clear_and_moves_no_bytes(cluster: Cluster,
                       else torch.empty((t.shape[0], t.shape[1] - 1), dtype=t.dtype))
         dest[name].view(torch.uint8).fill_(0xA5)
         with pytest.raises(ManifestMismatchError, match="query"):
-            pull(IDENTITY, dest, client=cluster.client, timeout_s=60)
+            pull(IDENTITY, dest, client=cluster.client, options=PullOptions(timeout_s=60))
         assert all(bool((d.view(torch.uint8) == 0xA5).all()) for d in dest.values()), \
             "bytes moved despite the mismatch"
 

@@ -12,7 +12,7 @@ import torch
 
 from conftest import Cluster
 from modelexpress.checkpoint import LlamaShape, generate_llama_checkpoint, load_checkpoint
-from modelexpress.p2p import allocate_like, manifest_of, pull
+from modelexpress.p2p import PullOptions, allocate_like, manifest_of, pull
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nixl]
 
@@ -32,7 +32,7 @@ def test_gpu0_source_to_gpu1_target_through_the_server(cluster: Cluster,
     dest = allocate_like(manifest, "cuda:1")
     from modelexpress.identity import ModelIdentity
     result = pull(ModelIdentity.from_dict(published["identity"]), dest,
-                  client=cluster.client, timeout_s=120)
+                  client=cluster.client, options=PullOptions(timeout_s=120))
     assert result.verified
     used = set(result.transport.replace("+", ",").split(","))
     assert "cuda_ipc" in used and not used & {"tcp", "unknown"}, (

@@ -1,0 +1,118 @@
+"""How a pull runs: :class:`PullOptions`, built once from :class:`~modelexpress.settings.MxSettings`.
+
+Every entry point that pulls (``modelexpress pull``, the agent's REST transfers, the
+vLLM loader, a library caller) builds one ``PullOptions.from_settings(settings,
+**its own flags)`` and passes it to :func:`~modelexpress.p2p.pull`; no entry point
+translates settings into pull arguments by hand, so a setting cannot reach one
+entry point and miss another (tests/p2p/test_pull_options.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from modelexpress.errors import ConfigError
+from modelexpress.p2p.selection import POLICIES
+
+if TYPE_CHECKING:
+    from modelexpress.settings import MxSettings
+
+__all__ = ["PullOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PullOptions:
+    """What one pull does besides moving bytes; build it with :meth:`from_settings`.
+
+    Attributes:
+        device: where destination tensors are allocated when the caller gives none.
+        timeout_s: deadline of the whole pull, all attempts included
+            (``MX_TRANSFER_TIMEOUT_S``).
+        verify: check each tensor's digest (``MX_VERIFY_DIGESTS``).
+        allow_partial: tensors present on one side only are skipped instead of an error.
+        policy: the server's source order, ``random`` or ``spread`` (``MX_SOURCE_POLICY``).
+        max_attempts: sources tried at most (``MX_MAX_SOURCE_ATTEMPTS``).
+        stripe: read from up to this many sources at once, each a contiguous share of
+            the tensors (fewer when fewer are READY).
+        prefer: source ids to try first, in order (e.g. the one the server assigned).
+        exclude_workers: worker ids never chosen (e.g. the puller's own sources).
+        chunk_bytes: bytes per READ request: the granularity of progress and stop
+            (``MX_TRANSFER_CHUNK_BYTES``).
+        refuse_slow_transport: fail on a detected transport fallback instead of warning
+            (``MX_REFUSE_SLOW_TRANSPORT``).
+        max_gbps: cap on the receive rate, enforced between chunks; 0 is none
+            (``MX_TRANSFER_MAX_GBPS``).
+        track: the pull creates, reports on and finishes its own transfer record on the
+            control plane (False: a caller that holds a record passes it to ``pull``).
+        worker_id: this process's worker id in that record (default
+            ``pull-<host>-<pid>-<random>``).
+        progress_interval_s: at most one progress report per this many seconds.
+        backend: NIXL backend of an agent the pull creates (``MX_NIXL_BACKEND``).
+
+    Raises:
+        ConfigError: a value out of range; the message names the allowed ones.
+    """
+
+    device: str = "cpu"
+    timeout_s: float = 600.0
+    verify: bool = True
+    allow_partial: bool = False
+    policy: str = "random"
+    max_attempts: int = 3
+    stripe: int = 1
+    prefer: tuple[str, ...] = ()
+    exclude_workers: tuple[str, ...] = ()
+    chunk_bytes: int = 1 << 30
+    refuse_slow_transport: bool = False
+    max_gbps: float = 0.0
+    track: bool = True
+    worker_id: str | None = None
+    progress_interval_s: float = 0.5
+    backend: str = "UCX"
+
+    def __post_init__(self) -> None:
+        # Sequences given as lists stay hashable and immutable.
+        object.__setattr__(self, "prefer", tuple(self.prefer))
+        object.__setattr__(self, "exclude_workers", tuple(self.exclude_workers))
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown source policy {self.policy!r}; allowed: "
+                              f"{', '.join(POLICIES)}")
+        bad = [f"{name} must be {rule} (got {value!r})" for name, value, ok, rule in (
+            ("max_attempts", self.max_attempts, self.max_attempts >= 1, ">= 1"),
+            ("stripe", self.stripe, self.stripe >= 1, ">= 1"),
+            ("timeout_s", self.timeout_s, self.timeout_s > 0, "> 0"),
+            ("chunk_bytes", self.chunk_bytes, self.chunk_bytes > 0, "> 0"),
+            ("max_gbps", self.max_gbps, self.max_gbps >= 0, ">= 0 (0: no cap)"),
+            ("progress_interval_s", self.progress_interval_s, self.progress_interval_s >= 0,
+             ">= 0"),
+        ) if not ok]
+        if bad:
+            raise ConfigError("; ".join(bad))
+
+    @classmethod
+    def from_settings(cls, settings: "MxSettings", **overrides: Any) -> "PullOptions":
+        """The options ``settings`` give; ``overrides`` (an entry point's flags) win.
+
+        An override of None is an unset flag and leaves the setting's value.
+
+        Raises:
+            TypeError: an override names no field.
+            ConfigError: a value out of range.
+        """
+        values: dict[str, Any] = {
+            "timeout_s": settings.transfer_timeout_s,
+            "verify": settings.verify_digests,
+            "policy": settings.source_policy,
+            "max_attempts": settings.max_source_attempts,
+            "chunk_bytes": settings.transfer_chunk_bytes,
+            "refuse_slow_transport": settings.refuse_slow_transport,
+            "max_gbps": settings.transfer_max_gbps,
+            "backend": settings.nixl_backend,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "PullOptions":
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)

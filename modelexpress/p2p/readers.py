@@ -1,0 +1,175 @@
+"""How a pull reads one source: the :class:`SourceReader` interface and its NIXL reader.
+
+``pull`` validates sources, picks them, retries and stripes; moving one source's
+bytes into (part of) the destination is a reader's job. A reader is chosen per
+source, so a transport other than NIXL (e.g. same-host shared memory) plugs in by
+offering a reader for the sources it can serve and leaving the rest to
+:class:`NixlReader`.
+
+:class:`AgentStart` creates the NIXL agent of a pull in a thread, so its fixed cost
+(UCX contexts, workers, transports) overlaps the control-plane calls and the imports
+a fresh process makes before any byte can move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+
+from modelexpress.errors import PeerError, TransferTimeoutError
+
+if TYPE_CHECKING:
+    import torch
+
+    from modelexpress.client import SourceInfo
+    from modelexpress.transfer import Manifest, NixlTransferManager, StopSignal, TransferResult
+
+__all__ = ["SourceReader", "ReaderFactory", "NixlReader", "AgentStart"]
+
+
+class SourceReader(Protocol):
+    """Moves the tensors one source serves into a destination."""
+
+    def read_into(self, dest: Mapping[str, "torch.Tensor"], *, allow_partial: bool,
+                  progress: Callable[[int, int], None], stop: "StopSignal | None",
+                  deadline_s: float) -> "TransferResult":
+        """READ ``dest``'s tensors (a subset of the source's when striped).
+
+        Args:
+            dest: name -> destination tensor; only these names are read.
+            allow_partial: names on one side only are skipped instead of an error.
+            progress: ``progress(bytes_done, bytes_total)`` between chunks.
+            stop: honoured between chunks.
+            deadline_s: seconds this read may take.
+
+        Returns:
+            The data plane's result (``peer_seconds``: connecting to the source).
+
+        Raises:
+            TransferError and its subclasses, as :meth:`NixlTransferManager.read`.
+        """
+        ...
+
+
+ReaderFactory = Callable[["SourceInfo", "Manifest"], SourceReader]
+"""Picks the reader of one source (given its record and manifest)."""
+
+
+class NixlReader:
+    """A NIXL READ from one source: load its agent metadata, READ, disconnect.
+
+    Args:
+        manager: the NIXL manager of this pull (its registrations hold the destination).
+        info: the source (with ``agent_metadata``).
+        manifest: its manifest.
+        chunk_bytes, verify, refuse_slow_transport: as :class:`~.options.PullOptions`.
+    """
+
+    def __init__(self, manager: "NixlTransferManager", info: "SourceInfo", manifest: "Manifest",
+                 *, chunk_bytes: int, verify: bool, refuse_slow_transport: bool) -> None:
+        if info.agent_metadata is None:
+            raise PeerError(f"source {info.id} (worker {info.worker_id}) has no agent metadata; "
+                            "fetch it with get_source")
+        self.manager = manager
+        self.info = info
+        self.manifest = manifest
+        self.chunk_bytes = chunk_bytes
+        self.verify = verify
+        self.refuse_slow_transport = refuse_slow_transport
+
+    def read_into(self, dest: Mapping[str, "torch.Tensor"], *, allow_partial: bool,
+                  progress: Callable[[int, int], None], stop: "StopSignal | None",
+                  deadline_s: float) -> "TransferResult":
+        t0 = time.perf_counter()
+        assert self.info.agent_metadata is not None
+        peer = self.manager.add_peer(self.info.agent_metadata)
+        peer_s = time.perf_counter() - t0
+        try:
+            result = self.manager.read(
+                self.manifest, dest, peer=peer, allow_partial=allow_partial,
+                chunk_bytes=self.chunk_bytes, deadline_s=deadline_s, progress=progress,
+                stop=stop, verify=self.verify, refuse_slow_transport=self.refuse_slow_transport)
+        finally:
+            self.manager.remove_peer(peer)
+        return dataclasses.replace(result, peer_seconds=peer_s)
+
+
+class AgentStart:
+    """A NIXL manager being created (and a known destination registered) in a thread.
+
+    NIXL's agent creation spends its time in C with the GIL released (UCX contexts
+    and workers), so it overlaps Python work on the calling thread: a fresh process's
+    ``import torch``, the control-plane calls. A destination on a GPU needs its CUDA
+    context before UCX starts (``nixl_adapter._ensure_cuda_context``): pass that
+    device, and the thread makes it current first.
+
+    Args:
+        backend: NIXL backend plugin.
+        device: the destination's CUDA device, or None for host memory.
+        register: destination tensors to register once the agent exists (their
+            registration then overlaps the manifest fetch too).
+        timeout_s: how long :meth:`get` waits.
+
+    Attributes:
+        seconds: how long creating (and registering) took in the thread, once finished.
+        registered: ``register`` was given and is registered.
+    """
+
+    def __init__(self, backend: str, device: "torch.device | None" = None, *,
+                 register: "Mapping[str, torch.Tensor] | None" = None,
+                 timeout_s: float = 120.0) -> None:
+        self._manager: "NixlTransferManager | None" = None
+        self._error: BaseException | None = None
+        self._timeout_s = timeout_s
+        self.seconds = 0.0
+        self.registered = False
+        self._thread = threading.Thread(target=self._create, args=(backend, device, register),
+                                        daemon=True, name="mx-nixl-agent")
+        self._thread.start()
+
+    def _create(self, backend: str, device: "torch.device | None",
+                register: "Mapping[str, torch.Tensor] | None") -> None:
+        t0 = time.perf_counter()
+        try:
+            if device is not None and device.type == "cuda":
+                import torch
+
+                # The current CUDA device is per thread; NIXL creates its context on it.
+                torch.cuda.set_device(device)
+            from modelexpress.transfer import NixlTransferManager
+
+            self._manager = NixlTransferManager(backend=backend)
+            if register:
+                self._manager.register_tensors(dict(register))
+                self.registered = True
+        except BaseException as exc:  # noqa: BLE001 - re-raised where the manager is used
+            self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    def _join(self) -> None:
+        self._thread.join(self._timeout_s)
+        if self._thread.is_alive():
+            raise TransferTimeoutError(f"the NIXL agent did not start within {self._timeout_s:.0f} "
+                                       "s; check UCX's configuration (UCX_TLS, UCX_NET_DEVICES)")
+
+    def get(self) -> "NixlTransferManager":
+        """The manager; raises what creating it raised.
+
+        Raises:
+            TransferTimeoutError: it did not start within ``timeout_s``.
+        """
+        self._join()
+        if self._error is not None:
+            raise self._error
+        assert self._manager is not None
+        return self._manager
+
+    def close(self) -> None:
+        """Close the manager (after the thread finished). Idempotent."""
+        self._join()
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
