@@ -1,0 +1,440 @@
+"""A cluster of "hosts" on one machine: network, PID, mount and UTS namespaces on bridges.
+
+Each :class:`Host` is what UCX and modelexpress would see on a separate machine:
+
+- its own network namespace, joined to one bridge per NIC by a veth pair; the end
+  inside the host is renamed ``eth0``, ``eth1``, ... and gets its own IP; ``lo`` is up;
+- every process started in it runs under ``ip netns exec`` + ``unshare --pid --mount
+  --uts --fork``: its own PID namespace (``--mount-proc``), a private mount namespace,
+  a hostname, a private ``/dev/shm`` (tmpfs), and its own kernel boot id, a file bind-
+  mounted over ``/proc/sys/kernel/random/boot_id``. UCX decides that two processes
+  share a machine (so shared memory and CMA may connect them) from the boot id, so
+  with distinct ids UCX must go over the network;
+- its link can be shaped with ``tc``: a token bucket (``tbf``) caps each direction
+  (egress on the NIC inside the host, ingress on the bridge-side end of the veth,
+  i.e. what the bridge sends into the host) and ``netem`` adds one-way latency.
+
+Names. Every namespace, link and bridge is named ``mxn<pid:6 hex><n:1 hex>...``
+(``pid`` of the process that built it, ``n`` a per-process counter), which keeps
+interface names within the kernel's 15 characters. On start, leftovers whose owner
+pid is no longer alive are removed (a run killed before its teardown); leftovers of
+live owners (a parallel run) are left alone.
+
+Teardown (:meth:`NetnsCluster.close`, also on ``__exit__``, even after a failure):
+every process gets SIGTERM, then SIGKILL after a bounded wait (SIGKILL of a PID
+namespace's init kills everything in that namespace); then every namespace, veth and
+bridge is deleted. The bind mounts and tmpfs live in the processes' private mount
+namespaces and vanish with them.
+
+PID 1. The command becomes PID 1 of its namespace, and the kernel delivers a signal
+from outside to a namespace's init only if it installed a handler: the modelexpress
+entry points (server, publish, pull, agent) handle SIGTERM; anything else is stopped
+with SIGKILL after the wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import selectors
+import signal
+import subprocess
+import time
+import uuid
+from typing import Any, Sequence
+
+__all__ = ["NetnsCluster", "Host", "HostProcess", "Nic", "sweep_stale", "netns_available"]
+
+PREFIX = "mxn"
+_NAME = re.compile(rf"^{PREFIX}([0-9a-f]{{6}})")
+_CMD_DEADLINE_S = 20.0
+_counter = 0
+
+
+def _sh(argv: Sequence[str], check: bool = True, timeout: float = _CMD_DEADLINE_S
+        ) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out
+
+
+def netns_available() -> str | None:
+    """None when this machine can build a cluster, else why not (for a skip reason)."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns, veth, bridges, tc, unshare)"
+    for tool in ("ip", "tc", "unshare", "mount"):
+        if subprocess.run(["which", tool], capture_output=True).returncode != 0:
+            return f"{tool} is not installed"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Delete namespaces and links left by dead owners; returns what was removed."""
+    removed = []
+    for line in _sh(["ip", "netns", "list"], check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _NAME.match(name)
+        if m and not _pid_alive(int(m.group(1), 16)):
+            if _sh(["ip", "netns", "del", name], check=False).returncode == 0:
+                removed.append(name)
+    links = _sh(["ip", "-o", "link", "show"], check=False).stdout.splitlines()
+    for line in links:
+        parts = line.split(":", 2)
+        if len(parts) < 2:
+            continue
+        name = parts[1].strip().split("@")[0]
+        m = _NAME.match(name)
+        if m and not _pid_alive(int(m.group(1), 16)):
+            if _sh(["ip", "link", "del", name], check=False).returncode == 0:
+                removed.append(name)
+    return removed
+
+
+@dataclasses.dataclass
+class Nic:
+    """One NIC of a host: ``name`` inside the host, ``outer`` its veth end on ``bridge``."""
+
+    name: str
+    outer: str
+    bridge: str
+    ip: str
+
+
+class HostProcess:
+    """A command running in a host (PID 1 of its own PID namespace).
+
+    stdout is piped (for :meth:`json_line`), stderr goes to ``log_path``.
+    """
+
+    def __init__(self, host: "Host", argv: Sequence[str], log_path: pathlib.Path,
+                 env: dict[str, str]) -> None:
+        self.host = host
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        setup = (f"mount --bind {host.boot_id_file} /proc/sys/kernel/random/boot_id && "
+                 "mount -t tmpfs -o size=1g tmpfs /dev/shm && "
+                 f"hostname {host.name} && exec \"$@\"")
+        # --kill-child: if unshare dies, the namespace's init gets SIGKILL (and with it
+        # every process of that PID namespace), so nothing outlives the harness.
+        cmd = ["ip", "netns", "exec", host.netns, "unshare", "--pid", "--mount", "--uts",
+               "--fork", "--mount-proc", "--kill-child=SIGKILL", "--propagation", "private",
+               "sh", "-c", setup, "sh", *self.argv]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                                     start_new_session=True)
+        self._inner: int | None = None
+        self._stdout_buf = b""
+
+    def inner_pid(self, deadline_s: float = 10.0) -> int | None:
+        """The command's pid as this (root) namespace sees it: unshare's child."""
+        if self._inner is not None:
+            return self._inner
+        end = time.monotonic() + deadline_s
+        path = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        while time.monotonic() < end and self.proc.poll() is None:
+            try:
+                kids = path.read_text().split()
+            except OSError:
+                kids = []
+            if kids:
+                self._inner = int(kids[0])
+                return self._inner
+            time.sleep(0.02)
+        return None
+
+    def json_line(self, deadline_s: float) -> dict[str, Any]:
+        """The first JSON object the command prints on stdout (other lines skipped).
+
+        Raises:
+            TimeoutError: nothing within ``deadline_s`` or the command exited first.
+        """
+        assert self.proc.stdout is not None
+        # os.read, not readline: a buffered readline may swallow several lines at once
+        # and leave the JSON one in Python's buffer, where select() cannot see it.
+        fd = self.proc.stdout.fileno()
+        sel = selectors.DefaultSelector()
+        sel.register(fd, selectors.EVENT_READ)
+        end = time.monotonic() + deadline_s
+        try:
+            while time.monotonic() < end:
+                while b"\n" in self._stdout_buf:
+                    line, self._stdout_buf = self._stdout_buf.split(b"\n", 1)
+                    if line.startswith(b"{"):
+                        return json.loads(line)
+                if not sel.select(timeout=0.5):
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    self._stdout_buf += chunk
+                    continue
+                # EOF: the command exited or closed stdout
+                if self._stdout_buf.startswith(b"{"):
+                    line, self._stdout_buf = self._stdout_buf, b""
+                    return json.loads(line)
+                try:
+                    self.proc.wait(max(min(end - time.monotonic(), 10.0), 0.1))
+                except subprocess.TimeoutExpired:
+                    pass
+                break
+        finally:
+            sel.close()
+        raise TimeoutError(f"{self.argv[:3]} on {self.host.name} printed no JSON line within "
+                           f"{deadline_s:.0f} s (exit code {self.proc.poll()}); log:\n"
+                           f"{self.tail()}")
+
+    def wait(self, timeout_s: float) -> int:
+        """The exit code; raises ``subprocess.TimeoutExpired`` after ``timeout_s``."""
+        return self.proc.wait(timeout_s)
+
+    def tail(self, chars: int = 4000) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(log unavailable)"
+
+    def catches(self, sig: int) -> bool:
+        """Whether the command installed a handler for ``sig`` (``SigCgt`` in /proc)."""
+        pid = self.inner_pid(2.0)
+        try:
+            status = pathlib.Path(f"/proc/{pid}/status").read_text()
+        except (OSError, TypeError):
+            return False
+        caught = next((int(line.split()[1], 16) for line in status.splitlines()
+                       if line.startswith("SigCgt:")), 0)
+        return bool(caught >> (sig - 1) & 1)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the command; a SIGTERM it would ignore (PID 1 without a
+        handler) becomes SIGKILL."""
+        pid = self.inner_pid(2.0)
+        if sig == signal.SIGTERM and not self.catches(sig):
+            sig = signal.SIGKILL
+        if pid is not None and self.proc.poll() is None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM to the command, SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: the namespace's init dies and the kernel kills the rest of it."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGKILL)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class Host:
+    """One machine of the cluster (see the module docstring)."""
+
+    def __init__(self, cluster: "NetnsCluster", index: int, name: str) -> None:
+        self.cluster = cluster
+        self.index = index
+        self.name = name
+        self.netns = f"{cluster.prefix}h{index:02d}"
+        self.nics: list[Nic] = []
+        self.boot_id = str(uuid.uuid4())
+        self.boot_id_file = cluster.workdir / f"boot_id-{name}"
+        self.boot_id_file.write_text(self.boot_id + "\n")
+        self.procs: list[HostProcess] = []
+
+    @property
+    def ip(self) -> str:
+        """The address of the first NIC."""
+        return self.nics[0].ip
+
+    def exec(self, argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run a short command in this host's network namespace (no PID namespace)."""
+        return _sh(["ip", "netns", "exec", self.netns, *argv], check=check)
+
+    def run(self, argv: Sequence[str], name: str, env: dict[str, str] | None = None
+            ) -> HostProcess:
+        """Start ``argv`` in this host; stderr goes to ``<workdir>/<host>-<name>.log``."""
+        n = len(self.procs) + 1
+        proc = HostProcess(self, argv, self.cluster.workdir / f"{self.name}-{name}-{n}.log",
+                           {**os.environ, **(env or {})})
+        self.procs.append(proc)
+        return proc
+
+    def nic(self, name: str = "eth0") -> Nic:
+        for nic in self.nics:
+            if nic.name == name:
+                return nic
+        raise KeyError(f"{self.name} has no NIC {name} (has {[n.name for n in self.nics]})")
+
+    def set_link(self, up: bool, nic: str = "eth0") -> None:
+        """``ip link set up|down`` on the NIC inside the host (a cable pulled)."""
+        self.exec(["ip", "link", "set", self.nic(nic).name, "up" if up else "down"])
+
+    def nic_bytes(self, nic: str = "eth0") -> tuple[int, int]:
+        """(rx_bytes, tx_bytes) of a NIC, read from /sys inside the host's namespace."""
+        out = self.exec(["cat", f"/sys/class/net/{nic}/statistics/rx_bytes",
+                         f"/sys/class/net/{nic}/statistics/tx_bytes"]).stdout.split()
+        return int(out[0]), int(out[1])
+
+    def shape(self, rate_mbit: float | None, *, ingress_mbit: float | None = None,
+              delay_ms: float = 0.0, nic: str = "eth0") -> None:
+        """Cap a NIC's send rate (and receive rate: ``ingress_mbit``, default the same)
+        with ``tbf``, and add ``delay_ms`` of one-way latency with ``netem`` on sends.
+
+        ``None`` leaves a direction uncapped. Replaces any earlier shaping.
+        """
+        n = self.nic(nic)
+        ingress = rate_mbit if ingress_mbit is None else ingress_mbit
+        _shape(["ip", "netns", "exec", self.netns], n.name, rate_mbit, delay_ms)
+        _shape([], n.outer, ingress, 0.0)
+
+
+def _shape(prefix: list[str], dev: str, rate_mbit: float | None, delay_ms: float) -> None:
+    _sh([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+    if rate_mbit is None and delay_ms <= 0:
+        return
+    if rate_mbit is None:
+        _sh([*prefix, "tc", "qdisc", "add", "dev", dev, "root", "netem",
+             "delay", f"{delay_ms}ms", "limit", "100000"])
+        return
+    # A bucket of ~4 ms at the rate, at least 64 KiB: veth hands tbf GSO packets of
+    # up to 64 KiB, and a smaller bucket would make tbf split or drop them.
+    burst = max(int(rate_mbit * 1e6 / 8 * 0.004), 64 << 10)
+    _sh([*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
+         "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"])
+    if delay_ms > 0:
+        _sh([*prefix, "tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+             "netem", "delay", f"{delay_ms}ms", "limit", "100000"])
+
+
+class NetnsCluster:
+    """Hosts on bridges; build with :meth:`add_host`, tear down with :meth:`close`.
+
+    Args:
+        workdir: logs and boot-id files go here.
+        bridges: how many bridges (networks); NIC ``k`` of every host is on bridge ``k``.
+
+    The root namespace gets the address ``.254`` on every bridge, so the test process
+    can reach servers running in hosts (it runs no NIXL itself).
+    """
+
+    def __init__(self, workdir: pathlib.Path, bridges: int = 1) -> None:
+        global _counter
+        reason = netns_available()
+        if reason is not None:
+            raise RuntimeError(f"cannot build a netns cluster: {reason}")
+        sweep_stale()
+        _counter = (_counter + 1) % 16
+        pid = os.getpid()
+        self.prefix = f"{PREFIX}{pid % (1 << 24):06x}{_counter:x}"
+        self.workdir = pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.hosts: list[Host] = []
+        self.bridges: list[str] = []
+        self.subnets: list[str] = []
+        # 10.<100..199>.<counter*4 + bridge>.0/24: distinct for parallel owners (pids).
+        second = 100 + pid % 100
+        try:
+            for b in range(bridges):
+                name = f"{self.prefix}b{b}"
+                _sh(["ip", "link", "add", name, "type", "bridge"])
+                self.bridges.append(name)
+                subnet = f"10.{second}.{_counter * 4 + b}"
+                self.subnets.append(subnet)
+                _sh(["ip", "addr", "add", f"{subnet}.254/24", "dev", name])
+                _sh(["ip", "link", "set", name, "up"])
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "NetnsCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add_host(self, name: str, nics: int = 1) -> Host:
+        """A host with ``nics`` NICs (``eth0`` on bridge 0, ``eth1`` on bridge 1, ...)."""
+        if nics > len(self.bridges):
+            raise ValueError(f"{nics} NICs need {nics} bridges; the cluster has "
+                             f"{len(self.bridges)}")
+        index = len(self.hosts) + 1
+        if index > 99:
+            raise ValueError("at most 99 hosts")
+        host = Host(self, index, name)
+        self.hosts.append(host)
+        _sh(["ip", "netns", "add", host.netns])
+        host.exec(["ip", "link", "set", "lo", "up"])
+        for k in range(nics):
+            outer = f"{self.prefix}{index:02d}{k}"
+            inner_tmp = f"{outer}p"
+            _sh(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner_tmp])
+            _sh(["ip", "link", "set", inner_tmp, "netns", host.netns])
+            _sh(["ip", "link", "set", outer, "master", self.bridges[k]])
+            _sh(["ip", "link", "set", outer, "up"])
+            nic = Nic(f"eth{k}", outer, self.bridges[k], f"{self.subnets[k]}.{index}")
+            host.exec(["ip", "link", "set", inner_tmp, "name", nic.name])
+            host.exec(["ip", "addr", "add", f"{nic.ip}/24", "dev", nic.name])
+            host.exec(["ip", "link", "set", nic.name, "up"])
+            host.nics.append(nic)
+        return host
+
+    def close(self) -> None:
+        """Stop every process, then delete every namespace, veth and bridge (idempotent)."""
+        for host in self.hosts:
+            for proc in host.procs:
+                if proc.proc.poll() is None:
+                    proc.signal(signal.SIGTERM)
+        end = time.monotonic() + 15.0
+        for host in self.hosts:
+            for proc in host.procs:
+                try:
+                    proc.proc.wait(max(end - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    pass
+                proc.kill()
+                proc.stop(1.0)
+        for host in self.hosts:
+            for nic in host.nics:
+                _sh(["ip", "link", "del", nic.outer], check=False)
+            _sh(["ip", "netns", "del", host.netns], check=False)
+        for name in self.bridges:
+            _sh(["ip", "link", "del", name], check=False)
+        self.hosts = []
+        self.bridges = []
+
+    def leftovers(self) -> list[str]:
+        """Namespaces and links of this cluster still present (empty after close)."""
+        found = [n for n in _sh(["ip", "netns", "list"]).stdout.split() if
+                 n.startswith(self.prefix)]
+        for line in _sh(["ip", "-o", "link", "show"]).stdout.splitlines():
+            parts = line.split(":", 2)
+            if len(parts) >= 2 and parts[1].strip().split("@")[0].startswith(self.prefix):
+                found.append(parts[1].strip().split("@")[0])
+        return found

@@ -1,0 +1,108 @@
+"""The cluster harness itself: isolation of hosts, shaping, teardown, stale sweep."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+import pytest
+
+from netns_cluster import PREFIX, NetnsCluster, sweep_stale
+
+# A listener that counts bytes, and a sender of 4 MiB, both plain Python.
+_LISTEN = ("import socket;s=socket.socket();s.bind(('0.0.0.0',5000));s.listen();"
+           "print('{}',flush=True);c,_=s.accept();n=0\n"
+           "while (d:=c.recv(1<<20)): n+=len(d)\n"
+           "print('{\"n\": %d}' % n, flush=True)")
+_SEND = "import socket,sys;s=socket.create_connection((sys.argv[1],5000));s.sendall(b'x'*(4<<20))"
+
+
+def _host_facts(proc) -> list[str]:  # noqa: ANN001
+    out, _ = proc.proc.communicate(timeout=30)
+    assert proc.proc.returncode == 0, proc.tail()
+    return out.decode().split()
+
+
+def test_each_host_has_its_own_boot_id_pid_namespace_hostname_and_shm(
+        netns: NetnsCluster) -> None:
+    a, b = netns.add_host("alpha"), netns.add_host("beta")
+    script = ("cat /proc/sys/kernel/random/boot_id; echo $$; hostname; "
+              "ls -A /dev/shm | wc -l; ip -o -4 addr show dev eth0 | awk '{print $4}'")
+    facts = {h.name: _host_facts(h.run(["sh", "-c", script], "facts")) for h in (a, b)}
+    root_boot_id = pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    for host in (a, b):
+        boot_id, pid, hostname, shm_entries, addr = facts[host.name]
+        assert boot_id == host.boot_id != root_boot_id
+        assert pid == "1"  # its own PID namespace
+        assert hostname == host.name
+        assert shm_entries == "0"  # a private /dev/shm
+        assert addr == f"{host.ip}/24"
+    assert facts["alpha"][0] != facts["beta"][0]
+
+
+def test_bytes_cross_the_bridge_and_the_nic_counters_and_tbf_see_them(
+        netns: NetnsCluster) -> None:
+    a, b = netns.add_host("a"), netns.add_host("b")
+    b.shape(400, ingress_mbit=300)
+    qdiscs = b.exec(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+    assert "tbf" in qdiscs and "400Mbit" in qdiscs, qdiscs
+    outer = subprocess.run(["tc", "qdisc", "show", "dev", b.nic().outer], capture_output=True,
+                           text=True, check=True).stdout
+    assert "tbf" in outer and "300Mbit" in outer, outer
+    listener = b.run(["python3", "-c", _LISTEN], "listen")
+    listener.json_line(30)
+    rx0, _ = b.nic_bytes()
+    _, tx0 = a.nic_bytes()
+    sender = a.run(["python3", "-c", _SEND, b.ip], "send")
+    assert sender.wait(60) == 0, sender.tail()
+    assert listener.json_line(60) == {"n": 4 << 20}
+    assert b.nic_bytes()[0] - rx0 >= 4 << 20
+    assert a.nic_bytes()[1] - tx0 >= 4 << 20
+
+
+def test_a_link_set_down_cuts_the_host_off(netns: NetnsCluster) -> None:
+    a, b = netns.add_host("a"), netns.add_host("b")
+    listener = b.run(["python3", "-c", _LISTEN], "listen")
+    listener.json_line(30)
+    a.set_link(False)
+    sender = a.run(["python3", "-c", _SEND, b.ip], "send")
+    assert sender.wait(60) != 0  # "Network is unreachable"
+    assert "unreachable" in sender.tail().lower()
+
+
+def test_teardown_removes_everything_even_after_a_failure(tmp_path: pathlib.Path) -> None:
+    from conftest import _require_netns
+    _require_netns()
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with NetnsCluster(tmp_path, bridges=2) as cluster:
+            host = cluster.add_host("h", nics=2)
+            sleeper = host.run(["sleep", "600"], "sleep")
+            assert sleeper.inner_pid() is not None
+            assert len(cluster.leftovers()) == 1 + 2 + 2  # netns, bridges, outer veth ends
+            raise RuntimeError("the test failed")
+    assert cluster.leftovers() == []
+    assert sleeper.proc.poll() is not None
+
+
+def test_leftovers_of_a_dead_owner_are_swept_and_a_live_owners_kept(
+        tmp_path: pathlib.Path) -> None:
+    from conftest import _require_netns
+    _require_netns()
+    dead = subprocess.Popen(["true"])
+    dead.wait(10)
+    live = subprocess.Popen(["sleep", "600"])
+    try:
+        stale = f"{PREFIX}{dead.pid:06x}0"
+        alive = f"{PREFIX}{live.pid:06x}0"
+        for prefix in (stale, alive):
+            subprocess.run(["ip", "netns", "add", f"{prefix}h01"], check=True)
+            subprocess.run(["ip", "link", "add", f"{prefix}b0", "type", "bridge"], check=True)
+        removed = sweep_stale()
+        assert sorted(removed) == sorted([f"{stale}h01", f"{stale}b0"])
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"{alive}h01" in names and f"{stale}h01" not in names
+    finally:
+        live.kill()
+        live.wait(10)
+        subprocess.run(["ip", "netns", "del", f"{PREFIX}{live.pid:06x}0h01"])
+        subprocess.run(["ip", "link", "del", f"{PREFIX}{live.pid:06x}0b0"])
