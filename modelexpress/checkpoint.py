@@ -7,18 +7,22 @@ from disk (warm and cold page cache) as the baseline a peer pull must beat.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import importlib.util
 import logging
 import os
 import pathlib
+import shutil
+import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
 from modelexpress._optional import require
-from modelexpress.errors import ConfigError
+from modelexpress.errors import CheckpointError, ConfigError, OutputError, OutputExistsError
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +32,7 @@ __all__ = [
     "checkpoint_files",
     "load_checkpoint",
     "save_checkpoint",
+    "check_output",
     "generate_llama_checkpoint",
     "real_model_checkpoint",
     "drop_page_cache",
@@ -46,6 +51,10 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[pathlib.Path]:
     root = pathlib.Path(path)
     if root.is_file() and root.suffix == ".safetensors":
         return [root]
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint {root} is not a *.safetensors file (modelexpress "
+                              "reads safetensors checkpoints; convert it, e.g. with "
+                              "safetensors.torch.save_file)")
     if not root.is_dir():
         raise ConfigError(f"checkpoint {root} does not exist (expected a directory of "
                           "*.safetensors files or one such file)")
@@ -109,7 +118,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
         name -> tensor. Duplicate names across files are an error.
 
     Raises:
-        ConfigError: bad path, duplicate tensor names.
+        ConfigError: bad path.
+        CheckpointError: a file is unreadable, truncated or not safetensors; a tensor
+            name appears in two files.
     """
     safetensors_torch = require("safetensors.torch", "loading checkpoints")
     safe_open = require("safetensors", "loading checkpoints").safe_open
@@ -117,12 +128,16 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
     slab: dict[str, torch.Tensor] = {}
     if contiguous and arena is None:
         slab = allocate_slab(_checkpoint_specs(path), device)
+    seen: dict[str, pathlib.Path] = {}
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
+        with _open_safetensors(safe_open, file) as handle:
             for name in handle.keys():
-                if name in out:
-                    raise ConfigError(f"tensor {name!r} appears twice in checkpoint {path}")
-                tensor = handle.get_tensor(name)
+                if name in seen:
+                    raise CheckpointError(
+                        f"tensor {name!r} appears in both {seen[name]} and {file}; a checkpoint "
+                        "names each tensor once (remove the stray shard from the directory)")
+                seen[name] = file
+                tensor = _read_tensor(handle, name, file)
                 if slab:
                     slab[name].copy_(tensor)
                     tensor = slab[name]
@@ -143,6 +158,48 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
     return out
 
 
+@contextlib.contextmanager
+def _open_safetensors(safe_open: Any, file: pathlib.Path) -> Iterator[Any]:
+    """``safe_open`` with its errors named: which file, what is wrong, what to do.
+
+    safetensors raises its own ``SafetensorError`` (a bare ``Exception``) for a
+    truncated or foreign file and says nothing of the file; an OS error names no role.
+    """
+    try:
+        # safetensors reports every failure to open as "No such file or directory"
+        # (a FileNotFoundError even for EACCES): open it ourselves for the real reason.
+        with open(file, "rb"):
+            pass
+        handle_cm = safe_open(str(file), framework="pt", device="cpu")
+        handle = handle_cm.__enter__()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint file {file}: {exc.strerror or exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - SafetensorError derives from Exception only
+        raise CheckpointError(_not_safetensors(file, exc)) from exc
+    try:
+        yield handle
+    finally:
+        handle_cm.__exit__(None, None, None)
+
+
+def _read_tensor(handle: Any, name: str, file: pathlib.Path) -> "torch.Tensor":
+    try:
+        return handle.get_tensor(name)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read tensor {name!r} from {file}: "
+                              f"{exc.strerror or exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - SafetensorError derives from Exception only
+        raise CheckpointError(f"tensor {name!r} in {file} is unreadable ({exc}); "
+                              "the file is damaged: copy or download it again") from exc
+
+
+def _not_safetensors(file: pathlib.Path, exc: Exception) -> str:
+    size = file.stat().st_size if file.exists() else 0
+    what = "empty" if size == 0 else "truncated or not a safetensors file"
+    return (f"checkpoint file {file} ({size} bytes) is {what}: {exc}; copy or download it "
+            "again (a safetensors file starts with an 8-byte header length and a JSON header)")
+
+
 def _checkpoint_specs(path: str | os.PathLike[str]) -> list[tuple[str, tuple[int, ...], Any]]:
     """(name, shape, dtype) of every tensor in load order, without reading the data."""
     torch = require("torch", "loading checkpoints")
@@ -153,7 +210,7 @@ def _checkpoint_specs(path: str | os.PathLike[str]) -> list[tuple[str, tuple[int
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
     specs = []
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
+        with _open_safetensors(safe_open, file) as handle:
             for name in handle.keys():
                 piece = handle.get_slice(name)
                 code = piece.get_dtype()
@@ -164,16 +221,77 @@ def _checkpoint_specs(path: str | os.PathLike[str]) -> list[tuple[str, tuple[int
     return specs
 
 
-def save_checkpoint(tensors: dict[str, "torch.Tensor"], path: str | os.PathLike[str],
-                    shard_bytes: int = 2 << 30) -> list[pathlib.Path]:
-    """Write tensors as safetensors shards of at most ``shard_bytes`` each.
+def check_output(path: str | os.PathLike[str], overwrite: bool = False) -> pathlib.Path:
+    """Refuse an output directory that would be clobbered; call before costly work.
+
+    The output may be absent or an empty directory; anything else needs ``overwrite``.
+
+    Raises:
+        OutputExistsError: ``path`` holds files (or is a file) and ``overwrite`` is False.
+        OutputError: ``path`` is a file and ``overwrite`` is True (only a directory
+            is replaced).
+    """
+    root = pathlib.Path(path)
+    if root.is_dir() and not any(root.iterdir()):
+        return root
+    if root.exists() or root.is_symlink():
+        if not root.is_dir():
+            raise (OutputError if overwrite else OutputExistsError)(
+                f"output {root} exists and is not a directory; choose another --out")
+        if not overwrite:
+            raise OutputExistsError(f"output directory {root} already exists and is not empty; "
+                                    "pass --overwrite to replace it or choose another --out")
+    return root
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; /proc gives it without the race.
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(tensors: Mapping[str, "torch.Tensor"], path: str | os.PathLike[str],
+                    shard_bytes: int = 2 << 30, *, overwrite: bool = False) -> list[pathlib.Path]:
+    """Write tensors as a directory of safetensors shards of at most ``shard_bytes`` each.
+
+    Nothing half-written ever carries the final name: the shards go into a hidden
+    ``.<name>.partial-*`` directory beside ``path`` (same filesystem), are fsynced,
+    and the directory is renamed to ``path`` in one step. On any failure (a full disk,
+    an interrupt) the partial directory is removed; only a SIGKILL can leave one, and
+    it never looks complete. Files and the directory get the caller's umask (the
+    safetensors writer alone makes 0600 files).
+
+    Args:
+        tensors: name -> tensor (any device; copied to the CPU shard by shard).
+        path: the output directory: absent or empty, or anything with ``overwrite``.
+        shard_bytes: largest shard.
+        overwrite: replace an existing non-empty directory (the old one is removed
+            only after the new one is complete).
 
     Returns:
-        the files written, in order.
+        the files written (under ``path``), in order.
+
+    Raises:
+        OutputExistsError: ``path`` exists, is not empty, and ``overwrite`` is False.
+        OutputError: the write failed (``errno`` says why: ENOSPC for a full disk).
     """
     save_file = require("safetensors.torch", "writing checkpoints").save_file
-    root = pathlib.Path(path)
-    root.mkdir(parents=True, exist_ok=True)
+    root = check_output(path, overwrite)
     shards: list[dict[str, Any]] = [{}]
     size = 0
     for name, tensor in tensors.items():
@@ -181,14 +299,76 @@ def save_checkpoint(tensors: dict[str, "torch.Tensor"], path: str | os.PathLike[
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = tensor.detach().to("cpu").contiguous()
+        shards[-1][name] = tensor
         size += nbytes
-    files = []
-    for index, shard in enumerate(shards):
-        file = root / f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(file))
-        files.append(file)
-    return files
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    mask = _umask()
+    staging: pathlib.Path | None = None
+    current = root
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        current = root.parent
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{root.name}.partial-", dir=root.parent))
+        os.chmod(staging, 0o777 & ~mask)
+        for name, shard in zip(names, shards):
+            current = staging / name
+            cpu = {k: t.detach().to("cpu").contiguous() for k, t in shard.items()}
+            try:
+                save_file(cpu, str(current))
+            except Exception as exc:  # noqa: BLE001 - SafetensorError wraps the OS error
+                raise _write_error(current, exc) from exc
+            del cpu
+            os.chmod(current, 0o666 & ~mask)
+            _fsync(current)
+        _fsync(staging)
+        current = root
+        _install(staging, root)
+        staging = None
+        _fsync(root.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write checkpoint {root} ({current}): "
+                          f"{exc.strerror or exc}{_hint(exc.errno)}", exc.errno) from exc
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return [root / name for name in names]
+
+
+def _install(staging: pathlib.Path, root: pathlib.Path) -> None:
+    """Rename the finished ``staging`` directory to ``root`` (replacing an old one)."""
+    try:
+        os.rename(staging, root)  # replaces an absent or empty directory atomically
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    # overwrite: move the old one aside first; between the renames ``root`` is absent,
+    # never half old, half new.
+    old = pathlib.Path(tempfile.mkdtemp(prefix=f".{root.name}.old-", dir=root.parent))
+    os.rename(root, old / "x")
+    os.rename(staging, root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _hint(code: int | None) -> str:
+    if code == errno.ENOSPC:
+        return "; free space on that filesystem or choose another --out"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "; choose a directory you can write to with --out"
+    if code == errno.EXDEV or code == errno.EBUSY:
+        return "; --out may not be a mount point: name a directory inside it"
+    return ""
+
+
+def _write_error(file: pathlib.Path, exc: Exception) -> OSError:
+    # safetensors reports an OS failure as SafetensorError("... (os error 28)") (older
+    # releases: "IoError(Os { code: 28 ..."):
+    # recover the errno so the caller can tell a full disk from a bug.
+    import re
+
+    found = re.search(r"(?:os error |code: )(\d+)", str(exc))
+    code = int(found.group(1)) if found else errno.EIO
+    return OSError(code, os.strerror(code) if found else str(exc), str(file))
 
 
 @dataclasses.dataclass(frozen=True)

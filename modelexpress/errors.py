@@ -9,6 +9,7 @@ callers catch our names only.
 
     MxError
     ├── ConfigError (ValueError)           bad argument or setting; says the allowed values
+    │   └── CheckpointError                a checkpoint file is unreadable / not safetensors
     ├── DependencyError (ImportError)      an optional extra is missing; says what to install
     ├── MxTimeoutError (TimeoutError)      a bounded wait ran out; says what it waited for
     ├── ArenaError                         VMM arena (modelexpress.vmm)
@@ -31,6 +32,8 @@ callers catch our names only.
     │   ├── ValidationError                the server rejected the request body
     │   └── ServerUnavailableError         connection refused / retries exhausted
     ├── StoreError                         a store backend (SQLite, Redis) failed
+    ├── OutputError                        writing an output failed (disk full, read-only)
+    │   └── OutputExistsError              the output exists; no --overwrite
     ├── ShmArenaError                      shared-memory tensor arena (modelexpress.shm_arena)
     │   └── ShmSpaceError                  /dev/shm too small; says how much is free and needed
     └── NoSourceError                      no READY source could serve a pull
@@ -41,6 +44,7 @@ from __future__ import annotations
 __all__ = [
     "MxError",
     "ConfigError",
+    "CheckpointError",
     "DependencyError",
     "MxTimeoutError",
     "ArenaError",
@@ -63,6 +67,8 @@ __all__ = [
     "ValidationError",
     "ServerUnavailableError",
     "StoreError",
+    "OutputError",
+    "OutputExistsError",
     "ShmArenaError",
     "ShmSpaceError",
     "NoSourceError",
@@ -75,6 +81,13 @@ class MxError(Exception):
 
 class ConfigError(MxError, ValueError):
     """A bad argument or setting. The message states the allowed values."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint file is missing, unreadable, truncated or not safetensors.
+
+    The message names the file and what is wrong with it.
+    """
 
 
 class DependencyError(MxError, ImportError):
@@ -163,6 +176,22 @@ class ServerUnavailableError(ControlPlaneError):
 
 class StoreError(MxError):
     """A store backend (SQLite or Redis) failed."""
+
+
+class OutputError(MxError):
+    """Writing an output (a pulled checkpoint) failed; nothing was left under its name.
+
+    Attributes:
+        errno: the OS error number behind it (``errno.ENOSPC`` for a full disk), or None.
+    """
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class OutputExistsError(OutputError):
+    """The output already exists; pass ``overwrite`` (``--overwrite``) to replace it."""
 
 
 class ShmArenaError(MxError):
