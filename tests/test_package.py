@@ -26,6 +26,27 @@ def test_import_modelexpress_is_light() -> None:
     assert not {m for m in loaded if m.split(".")[0] in HEAVY}
 
 
+@pytest.mark.parametrize("module", ["modelexpress._cli_support", "modelexpress.p2p.cli",
+                                    "modelexpress.demo"])
+def test_cli_modules_do_not_import_each_other(module: str) -> None:
+    # cli.py registers the commands of p2p/cli.py and demo.py; they share
+    # _cli_support and never import cli.py (or each other) back.
+    commands = {"modelexpress.cli", "modelexpress.p2p.cli", "modelexpress.demo"}
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, timeout=120).stdout
+    assert (set(json.loads(out)) & commands) - {module} == set()
+    # ... not even lazily, inside a function
+    import ast
+
+    path = ROOT / (module.replace(".", "/") + ".py")
+    imported = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {alias.name for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Import) for alias in node.names}
+    assert not (imported & commands), f"{module} imports {imported & commands}"
+
+
 def test_mapped_packages_import_under_one_namespace() -> None:
     import modelexpress.engines.vllm
     import modelexpress.server

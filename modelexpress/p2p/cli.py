@@ -1,8 +1,9 @@
 """CLI commands of P2P serving: publish, pull, agent, sources, transfers.
 
-Each command builds :class:`MxSettings` (flags override it), configures logging and
-calls the library. ``--json`` prints one JSON object for scripts; the exit code is 0
-only on success. Registered on the main app by :func:`register`.
+Each command builds :class:`MxSettings` (flags override it) and calls the library.
+``--json`` prints one JSON object for scripts. Failures, exit codes, signals and
+progress bars are :mod:`modelexpress._cli_support`'s (a failure is one line on stderr
+and an exit code from its table). Registered on the main app by :func:`register`.
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ import contextlib
 import json
 import logging
 import pathlib
-import signal
-import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import typer
 
-from modelexpress.errors import MxError
+from modelexpress import _cli_support as support
+from modelexpress.errors import ConfigError, MxError
 from modelexpress.identity import ModelIdentity
 from modelexpress.settings import MxSettings
 
@@ -29,44 +29,21 @@ log = logging.getLogger(__name__)
 SERVER = typer.Option(None, "--server", help="control-plane URL (default MX_SERVER_URL)")
 JSON = typer.Option(False, "--json", help="print one JSON object instead of text")
 
-sources_app = typer.Typer(no_args_is_help=True, help="List published sources.")
+sources_app = typer.Typer(no_args_is_help=True, help="List published sources.",
+                          epilog=support.EXIT_CODES_HELP, pretty_exceptions_enable=False)
 transfers_app = typer.Typer(no_args_is_help=True,
-                            help="Start, stop, restart and list REST transfers.")
+                            help="Start, stop, restart and list REST transfers.",
+                            epilog=support.EXIT_CODES_HELP, pretty_exceptions_enable=False)
 
 
-def _settings(server: str | None) -> MxSettings:
-    from modelexpress.cli import configure_logging
-
-    settings = MxSettings(**({"server_url": server} if server else {}))
-    configure_logging(settings)
-    return settings
+def _settings(server: str | None, as_json: bool = False) -> MxSettings:
+    return support.settings_from_flags(server_url=server, as_json=as_json)
 
 
 def _client(settings: MxSettings):  # noqa: ANN202
     from modelexpress.client import MxClient
 
     return MxClient.from_settings(settings)
-
-
-def _fail(exc: Exception, as_json: bool) -> None:
-    if as_json:
-        typer.echo(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
-    else:
-        typer.echo(f"error: {exc}", err=True)
-    raise typer.Exit(1)
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[threading.Event]:
-    """An event set by SIGTERM/SIGINT, so long-running commands shut down cleanly."""
-    stop = threading.Event()
-    handler = lambda *_: stop.set()  # noqa: E731
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield stop
-    finally:
-        for sig, prev in old.items():
-            signal.signal(sig, prev)
 
 
 def _identity(model: str, revision: str, dtype: str, quantization: str, tp: int, pp: int,
@@ -87,21 +64,6 @@ def _device_index(device: str) -> int:
     return int(device.split(":")[1]) if ":" in device else 0
 
 
-@contextlib.contextmanager
-def _progress_bar(enabled: bool, label: str) -> Iterator[Any]:
-    """A rich progress bar; yields ``update(done, total)``."""
-    if not enabled:
-        yield lambda done, total: None
-        return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
-                               TransferSpeedColumn)
-
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), transient=False) as bar:
-        task = bar.add_task(label, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
-
-
 def publish(
     checkpoint: pathlib.Path = typer.Argument(..., help="safetensors checkpoint directory or file"),
     model: str = typer.Option(..., "--model", help="model name (part of the identity)"),
@@ -120,56 +82,63 @@ def publish(
                                    help="serve this many seconds, then exit (0: until SIGTERM)"),
     server: Optional[str] = SERVER, as_json: bool = JSON,
 ) -> None:
-    """Load a checkpoint and serve it to peers until SIGTERM (then withdraw: STALE)."""
-    from modelexpress.checkpoint import load_checkpoint
+    """Load a checkpoint and serve it to peers until SIGTERM (then withdraw: STALE).
+
+    A signal while loading ends it with 130/143; once serving, SIGTERM or Ctrl-C is
+    its normal end (exit 0).
+    """
+    from modelexpress.checkpoint import checkpoint_files, load_checkpoint
     from modelexpress.p2p.source import serve_source
 
-    settings = _settings(server)
+    settings = _settings(server, as_json)
+    checkpoint_files(checkpoint)  # a bad path fails before the heavy imports
     arena = None
-    try:
-        with _stop_on_signals() as stop, contextlib.ExitStack() as stack:
-            t0 = time.perf_counter()
-            if settings.vmm_arena and device == "cpu":
-                from modelexpress.vmm import HostVmmBackend, VmmArena
-                arena = stack.enter_context(VmmArena(settings.vmm_arena_bytes, 0,
-                                                     HostVmmBackend()))
-                tensors = load_checkpoint(checkpoint, arena=arena)
-            else:
-                from modelexpress.vmm import maybe_enter_vmm_arena
-                with maybe_enter_vmm_arena(settings.vmm_arena and device != "cpu",
-                                           _device_index(device),
-                                           settings.vmm_arena_bytes) as arena:
-                    tensors = load_checkpoint(checkpoint, device=device,
-                                              contiguous=contiguous and arena is None)
-                if arena is not None:
-                    # closed after the source withdrew (ExitStack unwinds in reverse)
-                    stack.callback(arena.close)
-            load_s = time.perf_counter() - t0
-            identity = _identity(model, revision,
-                                 _dominant_dtype(tensors) if dtype == "auto" else dtype,
-                                 quantization, tp, pp, ep, rank)
-            client = stack.enter_context(_client(settings))
-            handle = stack.enter_context(serve_source(
-                identity, tensors, client=client, arena=arena, worker_id=worker_id,
-                heartbeat_interval_s=settings.heartbeat_interval_s,
-                single_region=settings.arena_single_mr, guardian=True,
-                backend=settings.nixl_backend))
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            summary = {"ok": True, "source_id": handle.source_id, "worker_id": handle.worker_id,
-                       "identity": identity.to_dict(), "tensors": len(tensors), "bytes": nbytes,
-                       "load_seconds": round(load_s, 3),
-                       "registration": handle.registration.strategy}
-            typer.echo(json.dumps(summary) if as_json else
-                       f"serving {model} ({len(tensors)} tensors, {nbytes / 1e9:.3f} GB) as source "
-                       f"{handle.source_id}; loaded in {load_s:.2f} s; SIGTERM or Ctrl-C to stop")
-            deadline = time.monotonic() + duration if duration > 0 else None
-            while not stop.wait(0.5):
-                if handle.failure is not None:
-                    raise MxError(f"source withdrew itself: {handle.failure}")
-                if deadline is not None and time.monotonic() > deadline:
-                    break
-    except MxError as exc:
-        _fail(exc, as_json)
+    with support.stop_on_signals() as stop, contextlib.ExitStack() as stack:
+        log.info("loading checkpoint %s", checkpoint)
+        t0 = time.perf_counter()
+        if settings.vmm_arena and device == "cpu":
+            from modelexpress.vmm import HostVmmBackend, VmmArena
+            arena = stack.enter_context(VmmArena(settings.vmm_arena_bytes, 0,
+                                                 HostVmmBackend()))
+            tensors = load_checkpoint(checkpoint, arena=arena)
+        else:
+            from modelexpress.vmm import maybe_enter_vmm_arena
+            with maybe_enter_vmm_arena(settings.vmm_arena and device != "cpu",
+                                       _device_index(device),
+                                       settings.vmm_arena_bytes) as arena:
+                tensors = load_checkpoint(checkpoint, device=device,
+                                          contiguous=contiguous and arena is None)
+            if arena is not None:
+                # closed after the source withdrew (ExitStack unwinds in reverse)
+                stack.callback(arena.close)
+        load_s = time.perf_counter() - t0
+        support.raise_if_interrupted(stop, f"publish of {checkpoint} stopped while loading; "
+                                           "nothing was published")
+        identity = _identity(model, revision,
+                             _dominant_dtype(tensors) if dtype == "auto" else dtype,
+                             quantization, tp, pp, ep, rank)
+        client = stack.enter_context(_client(settings))
+        handle = stack.enter_context(serve_source(
+            identity, tensors, client=client, arena=arena, worker_id=worker_id,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            single_region=settings.arena_single_mr, guardian=True,
+            backend=settings.nixl_backend))
+        support.raise_if_interrupted(stop, f"publish of {checkpoint} stopped before it "
+                                           "served; the source withdrew")
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        summary = {"ok": True, "source_id": handle.source_id, "worker_id": handle.worker_id,
+                   "identity": identity.to_dict(), "tensors": len(tensors), "bytes": nbytes,
+                   "load_seconds": round(load_s, 3),
+                   "registration": handle.registration.strategy}
+        typer.echo(json.dumps(summary) if as_json else
+                   f"serving {model} ({len(tensors)} tensors, {nbytes / 1e9:.3f} GB) as source "
+                   f"{handle.source_id}; loaded in {load_s:.2f} s; SIGTERM or Ctrl-C to stop")
+        deadline = time.monotonic() + duration if duration > 0 else None
+        while not stop.wait(0.5):
+            if handle.failure is not None:
+                raise MxError(f"source withdrew itself: {handle.failure}")
+            if deadline is not None and time.monotonic() > deadline:
+                break
 
 
 def pull(
@@ -183,33 +152,47 @@ def pull(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda:N"),
     stripe: int = typer.Option(1, "--stripe", help="read from up to N sources at once"),
     policy: Optional[str] = typer.Option(None, "--policy", help="random or spread"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="replace an existing non-empty --out directory"),
     server: Optional[str] = SERVER, as_json: bool = JSON,
 ) -> None:
-    """Pull a model's weights from READY peers and write them as safetensors."""
-    from modelexpress.checkpoint import save_checkpoint
-    from modelexpress.p2p.target import pull as do_pull
+    """Pull a model's weights from READY peers and write them as safetensors.
 
-    settings = _settings(server)
-    try:
-        with _client(settings) as client, _stop_on_signals() as stop:
-            identity = _resolve_identity(client, model, revision, dtype, quantization,
-                                         tp, pp, ep, rank)
-            holder: dict[str, Any] = {}
-            with _progress_bar(not as_json, f"pull {model}") as update:
-                result = do_pull(identity, None, client=client, device=device,
-                                 timeout_s=settings.transfer_timeout_s,
-                                 verify=settings.verify_digests, progress=update, stop=stop,
-                                 policy=policy or settings.source_policy,
-                                 max_attempts=settings.max_source_attempts, stripe=stripe,
-                                 chunk_bytes=settings.transfer_chunk_bytes,
-                                 refuse_slow_transport=settings.refuse_slow_transport,
-                                 max_gbps=settings.transfer_max_gbps,
-                                 backend=settings.nixl_backend,
-                                 on_destination=holder.update)
-            files = save_checkpoint(holder, out)
-    except MxError as exc:
-        _fail(exc, as_json)
-    summary = {"ok": True, **result.to_dict(), "out": [str(f) for f in files]}
+    The output appears under --out only when complete (written beside it under a
+    hidden temporary name, then renamed); an existing non-empty --out is refused
+    unless --overwrite.
+    """
+    # Where a small pull's time goes around PullResult.phases (the demo prints it):
+    # interpreter start + the CLI, resolving the identity, the pull() call around its
+    # own clock, writing the output. torch is imported inside pull() (its "imports"
+    # phase), overlapping the NIXL agent's creation.
+    startup_s = support.process_age_s()
+    from modelexpress.checkpoint import check_output, save_checkpoint
+    from modelexpress.p2p.target import PullOptions, pull as do_pull
+
+    settings = _settings(server, as_json)
+    check_output(out, overwrite)  # refuse before any byte moves
+    with _client(settings) as client, support.stop_on_signals(
+            f"pull of {model} stopped; nothing was written to {out}") as stop:
+        t0 = time.perf_counter()
+        identity = _resolve_identity(client, model, revision, dtype, quantization,
+                                     tp, pp, ep, rank)
+        resolve_s = time.perf_counter() - t0
+        holder: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        with support.progress_bar(not as_json, f"pull {model}") as update:
+            result = do_pull(identity, None, client=client, progress=update, stop=stop,
+                             options=PullOptions.from_settings(
+                                 settings, device=device, stripe=stripe, policy=policy),
+                             on_destination=holder.update)
+        call_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    files = save_checkpoint(holder, out, overwrite=overwrite)
+    write_s = time.perf_counter() - t0
+    summary = {"ok": True, **result.to_dict(), "out": [str(f) for f in files],
+               "command": {"startup_seconds": startup_s, "resolve_seconds": resolve_s, "pull_call_seconds": call_s,
+                           "write_seconds": write_s,
+                           "seconds_before_exit": support.process_age_s()}}
     typer.echo(json.dumps(summary) if as_json else
                f"pulled {result.bytes / 1e9:.3f} GB ({result.tensors} tensors) from "
                f"{', '.join(result.source_ids)} in {result.seconds:.2f} s "
@@ -266,15 +249,14 @@ def agent(
     options = AgentOptions.from_settings(
         settings, device=device, out_dir=out,
         **{name: value for name, value in flags.items() if value is not None})
-    try:
-        with _client(settings) as client, _stop_on_signals() as stop, \
-                Agent(client, agent_id, options) as worker:
-            typer.echo(f"agent {worker.agent_id} waiting for transfers (device {device})")
-            worker.run(stop, max_transfers=max_transfers)
-            failed = [t for t, s in worker.finished.items() if s == "FAILED"]
-    except MxError as exc:
-        _fail(exc, False)
-    raise typer.Exit(1 if failed else 0)
+    with _client(settings) as client, support.stop_on_signals() as stop, \
+            Agent(client, agent_id, options) as worker:
+        typer.echo(f"agent {worker.agent_id} waiting for transfers (device {device})")
+        worker.run(stop, max_transfers=max_transfers)
+        failed = [t for t, s in worker.finished.items() if s == "FAILED"]
+    if failed:
+        raise MxError(f"{len(failed)} transfer(s) FAILED: {', '.join(failed[:5])}; "
+                      "`modelexpress transfers list --state FAILED` shows why")
 
 
 @sources_app.command("list")
@@ -285,12 +267,9 @@ def sources_list(
     server: Optional[str] = SERVER, as_json: bool = JSON,
 ) -> None:
     """List published sources."""
-    settings = _settings(server)
-    try:
-        with _client(settings) as client:
-            rows = client.list_sources(model=model, state=state, rank=rank)
-    except MxError as exc:
-        _fail(exc, as_json)
+    settings = _settings(server, as_json)
+    with _client(settings) as client:
+        rows = client.list_sources(model=model, state=state, rank=rank)
     if as_json:
         typer.echo(json.dumps({"ok": True, "sources": [
             {"id": s.id, "model": s.identity.get("model"), "rank": s.identity.get("rank"),
@@ -321,12 +300,9 @@ def transfers_list(
     server: Optional[str] = SERVER, as_json: bool = JSON,
 ) -> None:
     """List transfers."""
-    settings = _settings(server)
-    try:
-        with _client(settings) as client:
-            rows = client.list_transfers(state=state, target_worker=target)
-    except MxError as exc:
-        _fail(exc, as_json)
+    settings = _settings(server, as_json)
+    with _client(settings) as client:
+        rows = client.list_transfers(state=state, target_worker=target)
     if as_json:
         typer.echo(json.dumps({"ok": True, "transfers": [_transfer_json(t) for t in rows]}))
         return
@@ -350,45 +326,29 @@ def transfers_start(
     server: Optional[str] = SERVER, as_json: bool = JSON,
 ) -> None:
     """Start a transfer to an agent; with --wait, show progress until it finishes."""
-    settings = _settings(server)
-    try:
-        with _client(settings) as client:
-            if identity_id is None:
-                if model is None:
-                    raise MxError("pass --identity or --model")
-                identity_id = _resolve_identity(client, model, revision, dtype, quantization,
-                                                tp, pp, ep, rank).id
-            t = client.start_transfer(identity_id, target, source_id=source)
-            if wait:
-                t = follow_transfer(client, t.id, timeout_s=timeout, show=not as_json)
-    except MxError as exc:
-        _fail(exc, as_json)
+    settings = _settings(server, as_json)
+    if identity_id is None and model is None:
+        raise ConfigError("transfers start needs --identity ID or --model NAME")
+    with _client(settings) as client:
+        if identity_id is None:
+            identity_id = _resolve_identity(client, model, revision, dtype, quantization,
+                                            tp, pp, ep, rank).id
+        t = client.start_transfer(identity_id, target, source_id=source)
+        if wait:
+            with support.stop_on_signals(f"stopped following transfer {t.id} (it keeps "
+                                         "running; `modelexpress transfers stop` stops it)"
+                                         ) as stop:
+                t = follow_transfer(client, t.id, timeout_s=timeout, show=not as_json,
+                                    stop=stop)
     if as_json:
         typer.echo(json.dumps({"ok": not wait or t.state == "SUCCEEDED", **_transfer_json(t)}))
     else:
         _print_transfer(t)
-    raise typer.Exit(0 if not wait or t.state == "SUCCEEDED" else 1)
+    if wait and t.state != "SUCCEEDED":
+        raise MxError(f"transfer {t.id} ended {t.state}" + (f": {t.error}" if t.error else ""))
 
 
-def follow_transfer(client: Any, transfer_id: str, *, timeout_s: float, show: bool,
-                    poll_s: float = 0.2) -> Any:
-    """Poll a transfer until it is SUCCEEDED, FAILED or STOPPED, with a progress bar.
-
-    Raises:
-        MxTimeoutError: still running after ``timeout_s``.
-    """
-    from modelexpress.errors import MxTimeoutError
-
-    deadline = time.monotonic() + timeout_s
-    with _progress_bar(show, f"transfer {transfer_id[:8]}") as update:
-        while True:
-            t = client.get_transfer(transfer_id)
-            update(t.bytes_done, t.bytes_total or None)
-            if t.state in ("SUCCEEDED", "FAILED", "STOPPED"):
-                return t
-            if time.monotonic() > deadline:
-                raise MxTimeoutError(f"transfer {transfer_id} still {t.state} after {timeout_s} s")
-            time.sleep(poll_s)
+follow_transfer = support.follow_transfer
 
 
 @transfers_app.command("get")
@@ -411,57 +371,18 @@ def transfers_restart(transfer_id: str, server: Optional[str] = SERVER,
 
 
 def _one(call: Any, server: str | None, as_json: bool) -> None:
-    settings = _settings(server)
-    try:
-        with _client(settings) as client:
-            t = call(client)
-    except MxError as exc:
-        _fail(exc, as_json)
+    settings = _settings(server, as_json)
+    with _client(settings) as client:
+        t = call(client)
     if as_json:
         typer.echo(json.dumps({"ok": True, **_transfer_json(t)}))
     else:
         _print_transfer(t)
 
 
-def demo(
-    synthetic_layers: int = typer.Option(
-        0, "--synthetic-layers",
-        help="serve N generated Llama-3-8B-shaped layers instead of the real MiniLM model"),
-    workdir: Optional[pathlib.Path] = typer.Option(None, "--workdir",
-                                                   help="keep logs and outputs here"),
-    as_json: bool = JSON,
-) -> None:
-    """End-to-end demo on loopback: server, source, agent, REST transfer, verification."""
-    import dataclasses
-
-    from modelexpress.demo import run_demo
-
-    result = run_demo(workdir=workdir, synthetic_layers=synthetic_layers,
-                      keep=workdir is not None)
-    if as_json:
-        typer.echo(json.dumps(dataclasses.asdict(result)))
-    else:
-        gb = result.bytes / 1e9
-        typer.echo(
-            f"\nsummary: {result.model}\n"
-            f"  transfer    {result.transfer_state}: {result.bytes / 1e6:.1f} MB, "
-            f"{result.tensors} tensors in {result.transfer_seconds:.3f} s "
-            f"REST start to finish (data plane {result.transfer_gbps:.2f} GB/s)\n"
-            f"  verified    {'every tensor byte-for-byte' if not result.mismatched else 'MISMATCH: ' + ', '.join(result.mismatched[:5])}\n"
-            f"  from disk   the same checkpoint into memory: warm page cache "
-            f"{result.disk_warm_seconds:.3f} s ({gb / result.disk_warm_seconds:.2f} GB/s), cold "
-            f"{result.disk_cold_seconds:.3f} s ({gb / result.disk_cold_seconds:.2f} GB/s)\n"
-            f"  shutdown    exit codes {result.exit_codes}"
-            + (" (uvicorn re-raises SIGTERM after its graceful shutdown)"
-               if result.exit_codes.get("server") == -15 else ""))
-    raise typer.Exit(0 if result.ok else 1)
-
-
 def register(app: typer.Typer) -> None:
     """Add the P2P commands to the main CLI app."""
-    app.command()(demo)
-    app.command()(publish)
-    app.command()(pull)
-    app.command()(agent)
+    for command in (publish, pull, agent):
+        app.command(epilog=support.EXIT_CODES_HELP)(command)
     app.add_typer(sources_app, name="sources")
     app.add_typer(transfers_app, name="transfers")

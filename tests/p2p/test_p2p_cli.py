@@ -35,6 +35,14 @@ def test_cli_sources_pull_and_rest_transfer(cluster: Cluster, tmp_path: pathlib.
     out = tmp_path / "pulled"
     code, result = _cli(cluster, "pull", "--model", MODEL, "--out", str(out))
     assert code == 0 and result["ok"] and result["verified"]
+    # where the command's time went: process start + imports, the pull's phases, the write
+    command = result["command"]
+    assert command["startup_seconds"] > 0 and command["write_seconds"] > 0
+    assert command["pull_call_seconds"] >= result["total_seconds"] > 0
+    from modelexpress.p2p.target import PHASES
+    assert set(result["phases"]) == set(PHASES)
+    assert abs(sum(result["phases"][k] for k in PHASES if k not in ("agent", "verify"))
+               - result["total_seconds"]) < 0.05 * result["total_seconds"] + 0.01
     reference = load_checkpoint(real_model_checkpoint())
     received = load_checkpoint(out)
     assert received.keys() == reference.keys()
@@ -57,9 +65,10 @@ def test_cli_sources_pull_and_rest_transfer(cluster: Cluster, tmp_path: pathlib.
 
 def test_cli_failures_exit_nonzero_with_a_clear_error(cluster: Cluster,
                                                       tmp_path: pathlib.Path) -> None:
+    # exit codes: docs/DEPLOYMENT.md, "Exit codes" (4: no source; 1: the operation failed)
     code, result = _cli(cluster, "pull", "--model", "nobody/serves-this", "--out",
                         str(tmp_path / "x"))
-    assert code == 1 and "no READY source" in result["error"]
+    assert code == 4 and "no READY source" in result["error"] and result["exit_code"] == 4
     assert not (tmp_path / "x").exists()
     code, result = _cli(cluster, "transfers", "get", "no-such-transfer")
     assert code == 1 and "NotFoundError" in result["error"]
