@@ -101,6 +101,22 @@ class Fleet:
         return host.run([MX, "pull", "--model", MODEL, "--out", str(out), "--json", *args],
                         "pull", self.env(**(env or {})))
 
+    def agent(self, host: Host, agent_id: str, out: pathlib.Path, *, args: Sequence[str] = (),
+              env: dict[str, str] | None = None) -> HostProcess:
+        """Start ``modelexpress agent`` in ``host`` (it runs REST-started transfers)."""
+        return host.run([MX, "agent", "--id", agent_id, "--out", str(out), *args], "agent",
+                        self.env(**(env or {})))
+
+    def wait_agents(self, ids: Sequence[str], deadline_s: float = START_DEADLINE_S) -> None:
+        """Wait until every agent in ``ids`` registered with the server."""
+        end = time.monotonic() + deadline_s
+        with self.client() as c:
+            while not set(ids) <= {a.id for a in c.list_agents()}:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"agents {sorted(ids)} not all registered after "
+                                       f"{deadline_s} s")
+                time.sleep(0.2)
+
     def wait_ready_sources(self, n: int, deadline_s: float = START_DEADLINE_S) -> list[Any]:
         """Wait until ``n`` READY sources of the model are on the server."""
         end = time.monotonic() + deadline_s
