@@ -12,6 +12,12 @@ connection errors, 502-504  :class:`~modelexpress.errors.ServerUnavailableError`
                             (after ``retries`` attempts with backoff)
 ==========================  ===================================================
 
+Replicas: given several server URLs (``MX_SERVER_URL=http://a:8001,http://b:8001``,
+servers on one Redis), every call fails over to the next replica on the failures it
+would retry, at once, and stays with the replica that answered. One round tries each
+replica once; rounds are separated by a jittered backoff (0.1 s doubling, capped at
+2 s); ``retries`` bounds the extra rounds, ``timeout_s`` each request.
+
 Retries: a request that never reached the server (connect error) is retried for
 every method. Requests that may have reached it (read timeout, 502-504) are retried
 only when repeating them is harmless, which is every call here except
@@ -27,6 +33,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 import httpx
@@ -34,7 +41,7 @@ import pydantic
 
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import (
-    AuthError, ConflictError, ControlPlaneError, NotFoundError, ServerUnavailableError,
+    AuthError, ConfigError, ConflictError, ControlPlaneError, NotFoundError, ServerUnavailableError,
     ValidationError,
 )
 from modelexpress.identity import ModelIdentity
@@ -83,10 +90,11 @@ def _reply(cls: type[_R], data: Any) -> _R:
 
 
 class MxClient(ClosedOnCollect):
-    """Client of one control-plane server.
+    """Client of the control plane: one server, or several replicas of it.
 
     Args:
-        base_url: e.g. ``http://127.0.0.1:8001``.
+        base_url: e.g. ``http://127.0.0.1:8001``; replicas (on one Redis) as a list or
+            a comma-separated string (``MX_SERVER_URL``), tried in order.
         token: bearer token (``MX_SERVER_TOKEN``), or None.
         timeout_s: timeout of one HTTP request (connect, read, write each).
         retries: extra attempts after a retryable failure (see module docstring).
@@ -107,21 +115,36 @@ class MxClient(ClosedOnCollect):
             assert client.health()["status"] == "ok"
     """
 
-    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 10.0,
-                 retries: int = 3, transport: httpx.BaseTransport | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, base_url: str | Sequence[str], *, token: str | None = None,
+                 timeout_s: float = 10.0, retries: int = 3,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        urls = base_url.split(",") if isinstance(base_url, str) else list(base_url)
+        self.base_urls: tuple[str, ...] = tuple(
+            u.strip().rstrip("/") for u in urls if u.strip())
+        if not self.base_urls:
+            raise ConfigError(f"MxClient needs a server URL (got {base_url!r}); set "
+                              "MX_SERVER_URL, e.g. http://127.0.0.1:8001")
+        # What recreates this client elsewhere (a source's guardian gets it): every replica.
+        self.base_url = ",".join(self.base_urls)
         self.token = token  # kept for helpers that act for this client (a source's guardian)
         self.timeout_s = timeout_s
         self.retries = retries
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers,
-                                  timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
+        self._current = 0  # the replica that answered last; tried first
         self._closed = False
+
+    @property
+    def current_url(self) -> str:
+        """The server replica this client talks to now (the first of ``base_urls``
+        until one fails)."""
+        return self.base_urls[self._current]
 
     @classmethod
     def from_settings(cls, settings: MxSettings, **overrides: Any) -> "MxClient":
-        """Build from ``MX_SERVER_URL``, ``MX_SERVER_TOKEN``, ``MX_CLIENT_TIMEOUT_S``,
-        ``MX_CLIENT_RETRIES``; keyword arguments override them."""
+        """Build from ``MX_SERVER_URL`` (one URL or a comma-separated list of replicas),
+        ``MX_SERVER_TOKEN``, ``MX_CLIENT_TIMEOUT_S``, ``MX_CLIENT_RETRIES``; keyword
+        arguments override them."""
         token = settings.server_token.get_secret_value() if settings.server_token else None
         kwargs: dict[str, Any] = {"token": token, "timeout_s": settings.client_timeout_s,
                                   "retries": settings.client_retries}
@@ -129,36 +152,72 @@ class MxClient(ClosedOnCollect):
         return cls(settings.server_url, **kwargs)
 
     # --- plumbing ---------------------------------------------------------------
-    def _request(self, method: str, path: str, *, json: Any = None,
-                 params: dict[str, Any] | None = None, idempotent: bool = True,
-                 timeout_s: float | None = None) -> Any:
+    def _send(self, method: str, path: str, *, json: Any = None,
+              params: dict[str, Any] | None = None, idempotent: bool = True,
+              timeout_s: float | None = None) -> httpx.Response:
+        """One request, failing over between replicas and retrying (module docstring).
+
+        Each round tries every replica once, starting with the one that answered last;
+        rounds are separated by a jittered backoff; at most ``retries + 1`` rounds.
+        """
         if self._closed:
             raise ControlPlaneError(f"MxClient for {self.base_url} is closed")
         params = {k: v for k, v in (params or {}).items() if v is not None}
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        attempt = 0
-        while True:
-            try:
-                resp = self._http.request(method, path, json=json, params=params,
-                                          timeout=timeout)
-            except httpx.TransportError as exc:
-                # ConnectError: nothing reached the server, always safe to repeat.
-                retryable = isinstance(exc, httpx.ConnectError) or idempotent
-                if not retryable or attempt >= self.retries:
-                    raise ServerUnavailableError(
-                        f"{method} {self.base_url}{path} failed after {attempt + 1} "
-                        f"attempt(s): {type(exc).__name__}: {exc}") from exc
-                reason = f"{type(exc).__name__}: {exc}"
-            else:
-                if resp.status_code in _RETRY_STATUS and idempotent and attempt < self.retries:
-                    reason = f"HTTP {resp.status_code}"
+        n = len(self.base_urls)
+        last_resp: httpx.Response | None = None
+        reason = ""
+        attempts = 0
+        for round_ in range(self.retries + 1):
+            if round_:
+                delay = (min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** (round_ - 1))
+                         * (0.5 + random.random()))
+                log.warning("%s %s: %s; retry %d/%d in %.2f s", method, path, reason,
+                            round_, self.retries, delay)
+                time.sleep(delay)
+            start = self._current
+            for k in range(n):
+                i = (start + k) % n
+                url = self.base_urls[i]
+                attempts += 1
+                try:
+                    resp = self._http.request(method, url + path, json=json, params=params,
+                                              timeout=timeout)
+                except httpx.TransportError as exc:
+                    reason = f"{url}: {type(exc).__name__}: {exc}"
+                    last_resp = None
+                    # ConnectError: nothing reached the server, always safe to repeat
+                    # (there or on another replica). Anything else may have reached it.
+                    if not (isinstance(exc, httpx.ConnectError) or idempotent):
+                        raise ServerUnavailableError(
+                            f"{method} {url}{path} failed after {attempts} attempt(s) (not "
+                            f"repeated: it may have reached the server): "
+                            f"{type(exc).__name__}: {exc}") from exc
                 else:
-                    return self._decode(method, path, resp)
-            delay = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** attempt) * (0.5 + random.random())
-            log.warning("%s %s%s: %s; retry %d/%d in %.2f s", method, self.base_url, path,
-                        reason, attempt + 1, self.retries, delay)
-            time.sleep(delay)
-            attempt += 1
+                    if resp.status_code not in _RETRY_STATUS or not idempotent:
+                        if i != self._current:
+                            log.warning("control plane: %s answered; using it from now on "
+                                        "(%s failed: %s)", url, self.current_url, reason)
+                            self._current = i
+                        return resp
+                    reason = f"{url}: HTTP {resp.status_code}"
+                    last_resp = resp
+                if n > 1 and k < n - 1:
+                    log.info("%s %s: %s; failing over to %s", method, path, reason,
+                             self.base_urls[(i + 1) % n])
+        if last_resp is not None:
+            return last_resp  # the server's own words (e.g. 503 "store unavailable: ...")
+        raise ServerUnavailableError(
+            f"{method} {path} failed after {attempts} attempt(s) on "
+            f"{'every server (' + self.base_url + ')' if n > 1 else self.base_url}; "
+            f"last: {reason}")
+
+    def _request(self, method: str, path: str, *, json: Any = None,
+                 params: dict[str, Any] | None = None, idempotent: bool = True,
+                 timeout_s: float | None = None) -> Any:
+        resp = self._send(method, path, json=json, params=params, idempotent=idempotent,
+                          timeout_s=timeout_s)
+        return self._decode(method, path, resp)
 
     def _decode(self, method: str, path: str, resp: httpx.Response) -> Any:
         status = resp.status_code
@@ -199,7 +258,7 @@ class MxClient(ClosedOnCollect):
 
     def metrics_text(self) -> str:
         """The Prometheus exposition text of ``/metrics``."""
-        resp = self._http.get("/metrics")
+        resp = self._send("GET", "/metrics")
         if resp.status_code >= 400:
             self._decode("GET", "/metrics", resp)
         return resp.text

@@ -26,12 +26,16 @@ from modelexpress.server.states import (
 )
 from modelexpress.server.store import Record, Store
 
-__all__ = ["ControlPlane", "source_id_for"]
+__all__ = ["ControlPlane", "source_id_for", "CLAIM_REDELIVERY_S"]
 
 log = logging.getLogger(__name__)
 
 _S = SourceState
 _T = TransferState
+
+CLAIM_REDELIVERY_S = 15.0
+"""A transfer an agent claimed this long ago and never started is handed out again at
+its next poll (``ControlPlane.claim_assignments``)."""
 
 
 def source_id_for(identity_id: str, worker_id: str) -> str:
@@ -492,6 +496,13 @@ class ControlPlane:
 
         Claiming is atomic, so two pollers (or two replicas) never both get one.
 
+        A claim whose reply never reached the agent (the replica died while sending
+        it) would leave the transfer PENDING and claimed forever. An agent polls only
+        between transfers (it runs them one at a time), so a transfer it claimed more
+        than ``CLAIM_REDELIVERY_S`` ago and never started (no progress: still PENDING)
+        was lost on the way: the poll hands it out again. The delay keeps two
+        concurrent polls of one agent (on two replicas) from both getting a fresh claim.
+
         Raises:
             NotFoundError: the agent is not registered.
         """
@@ -501,19 +512,28 @@ class ControlPlane:
         except NotFoundError:
             raise NotFoundError(f"agent {agent_id} not found; register it with "
                                 f"PUT /v1/agents/{agent_id}") from None
+
+        def lost(r: Record) -> bool:
+            return (r["claimed"] and not r.get("run_by_target")
+                    and now - r.get("claimed_at", r["updated_at"]) > CLAIM_REDELIVERY_S)
+
         claimed = []
         for t in self.list_transfers(state=_T.PENDING, target_worker=agent_id):
-            if t["claimed"]:
+            if t["claimed"] and not lost(t):
                 continue
 
             def claim(r: Record) -> Record:
-                if r["state"] != _T.PENDING.value or r["claimed"]:
+                if r["state"] != _T.PENDING.value or (r["claimed"] and not lost(r)):
                     raise ConflictError("already claimed")
-                return {**r, "claimed": True, "updated_at": now}
+                return {**r, "claimed": True, "claimed_at": now, "updated_at": now}
             try:
                 claimed.append(self._move(t["id"], claim))
             except (ConflictError, NotFoundError):
                 continue  # another poll or a stop got there first
+            if t["claimed"]:
+                log.warning("transfer %s: claimed by agent %s %.0f s ago and never started; "
+                            "handed out again (the reply to that poll was lost?)", t["id"],
+                            agent_id, now - t.get("claimed_at", t["updated_at"]))
         return claimed
 
     def list_agents(self) -> list[Record]:

@@ -96,35 +96,57 @@ class ServerProc:
 
 
 class RedisProc:
-    """Debian's ``redis-server`` on a free port, persistence off, in ``workdir``."""
+    """Debian's ``redis-server`` on a free port in ``workdir``.
 
-    def __init__(self, workdir: pathlib.Path) -> None:
+    Args:
+        persist: append-only file on, fsync'd per write, so a restart keeps every
+            acknowledged record (the Redis restart test); off by default.
+    """
+
+    def __init__(self, workdir: pathlib.Path, *, persist: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self._binary = binary
+        self._workdir = workdir
+        self._persist = persist
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.log_path = workdir / f"redis-{self.port}.log"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
-             "--save", "", "--appendonly", "no", "--daemonize", "no",
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        durability = (["--appendonly", "yes", "--appendfsync", "always"] if self._persist
+                      else ["--appendonly", "no"])
+        proc = subprocess.Popen(
+            [self._binary, "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self._workdir), "--save", "", *durability, "--daemonize", "no",
              "--logfile", str(self.log_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         import redis
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0)
         deadline = time.monotonic() + 20.0
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            try:
-                client.ping()
-                break
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TimeoutError(f"redis-server on port {self.port} not up after 20 s")
-                time.sleep(0.05)
-        client.close()
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {proc.returncode}")
+                try:
+                    client.ping()
+                    return proc
+                except redis.RedisError:
+                    if time.monotonic() > deadline:
+                        proc.kill()
+                        proc.wait(timeout=10)
+                        raise TimeoutError(f"redis-server on port {self.port} not up after 20 s")
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def restart(self, down_s: float = 0.0) -> None:
+        """Stop (SIGTERM), stay down ``down_s``, start again on the same port and dir."""
+        self.stop()
+        time.sleep(down_s)
+        self.proc = self._spawn()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
