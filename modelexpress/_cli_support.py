@@ -236,8 +236,8 @@ def failure(exc: BaseException) -> tuple[int, str]:
         return ExitCode.BAD_INPUT, str(exc)
     if isinstance(exc, DependencyError):  # says which extra to install
         return ExitCode.FAILED, str(exc)
-    if isinstance(exc, MxError):
-        return ExitCode.FAILED, f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, MxError):  # a subclass's name says what failed (ConflictError, ...)
+        return ExitCode.FAILED, str(exc) if type(exc) is MxError else f"{type(exc).__name__}: {exc}"
     if isinstance(exc, OSError):
         return _os_error_line(exc)
     return ExitCode.FAILED, (f"unexpected {type(exc).__name__}: {exc} (a bug: run with "

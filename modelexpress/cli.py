@@ -17,6 +17,7 @@ from typing import Optional
 import typer
 
 from modelexpress import _cli_support as support
+from modelexpress.errors import MxError
 
 __all__ = ["app", "main"]
 
@@ -41,15 +42,19 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> 
     """Check what this machine can do; exit 1 when something required is broken."""
     from modelexpress.doctor import render, run_checks
 
-    support.settings_from_flags(as_json=as_json)
+    support.settings_from_flags()  # --json: the report is the one JSON object, even failed
     results, healthy = run_checks()
     if as_json:
         typer.echo(json.dumps({"healthy": healthy,
                                "checks": [r.__dict__ for r in results]}))
     else:
         typer.echo(render(results))
-        typer.echo("healthy" if healthy else "something required is broken (see FAIL lines)")
-    raise typer.Exit(0 if healthy else 1)
+        if healthy:
+            typer.echo("healthy")
+    if not healthy:
+        failed = [r.name for r in results if r.status == "fail"]
+        raise MxError(f"doctor: required check(s) failed: {', '.join(failed)}; the report "
+                      "says why and what to install")
 
 
 @app.command(epilog=support.EXIT_CODES_HELP)

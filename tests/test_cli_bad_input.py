@@ -379,3 +379,44 @@ def test_signal_midway_through_a_publish(live: Live, tmp_path: pathlib.Path, sig
                             f"{real_model_checkpoint()} stopped")
     with MxClient(live.server.url, token=TOKEN) as client:
         assert not client.list_sources(model="midway/publish", state="READY")
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+def test_sigint_while_following_a_transfer(live: Live, tmp_path: pathlib.Path) -> None:
+    """`transfers start --wait` stops following (130) and says the transfer runs on."""
+    from modelexpress.client import MxClient
+
+    agent = ModuleProcess(["modelexpress", "agent", "--id", "bad-input-agent", "--no-serve",
+                           "--max-gbps", "0.01", "--chunk-bytes", "1048576"],
+                          tmp_path / "agent.log", clean_env(**live.env()))
+    with MxClient(live.server.url, token=TOKEN) as client:
+        try:
+            _wait_for(lambda: any(a.id == "bad-input-agent" for a in client.list_agents()),
+                      "the agent to register", 180)
+            proc = subprocess.Popen([MODELEXPRESS, "transfers", "start", "--model", MODEL,
+                                     "--target", "bad-input-agent", "--wait"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=clean_env(**live.env()))
+            try:
+                running = _wait_for(
+                    lambda: [t for t in client.list_transfers(target_worker="bad-input-agent")
+                             if t.state == "RUNNING" and t.bytes_done > 0],
+                    "the transfer to be midway", 180)
+                proc.send_signal(signal.SIGINT)
+                stdout, stderr = proc.communicate(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate(timeout=30)
+            assert_fails(Ran(proc.returncode, stdout, stderr), 130,
+                         f"interrupted by SIGINT: stopped following transfer {running[0].id} "
+                         "(it keeps running")
+            assert client.get_transfer(running[0].id).state in ("RUNNING", "SUCCEEDED")
+            client.stop_transfer(running[0].id)
+            _wait_for(lambda: client.get_transfer(running[0].id).state in ("STOPPED",
+                                                                           "SUCCEEDED"),
+                      "the transfer to stop", 60)
+        finally:
+            code = agent.stop()
+    assert code == 0, agent.tail()
