@@ -17,6 +17,7 @@ end-of-file) and fails the pull with PeerError, so the caller tries its next sou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -66,8 +67,9 @@ class LocalPullResult:
         tensors: tensors received.
         copies: copy operations issued (after merging contiguous runs).
         segments: segments the source shared, by kind.
-        seconds: the whole pull; ``phases`` splits it (connect, map, copy, verify, close).
-        gbps: ``nbytes`` / copy phase, GB/s.
+        seconds: the whole pull; ``phases`` splits it (connect+map, plan, copy, verify,
+            close).
+        gbps: ``nbytes`` / copy phase (the data plane), GB/s.
         verified: tensors whose digest was checked.
     """
 
@@ -228,12 +230,48 @@ class _Copy:
     nbytes: int
     host: bool      # host -> host (torch copy on the CPU), else cuMemcpyAsync
     dst_device: int  # -1: host
+    key: tuple[int, int] = (0, 0)  # (source segment, destination allocation): merge within
+
+
+class _DstAllocations:
+    """The destination allocation of each device tensor (cuMemGetAddressRange, cached;
+    a sorted list searched by bisection: a 483-tensor rank set scanned linearly cost
+    more than its copies on one GPU)."""
+
+    def __init__(self) -> None:
+        self._bases: list[int] = []
+        self._ends: list[int] = []
+
+        self._key: dict[int, int] = {}
+
+    def key(self, ptr: int) -> int:
+        """The allocation's base for cudaMalloc memory; one shared key (-2) for all VMM
+        memory, so adjacent VMM chunks (an arena) merge."""
+        import bisect
+        k = bisect.bisect_right(self._bases, ptr) - 1
+        if k >= 0 and ptr < self._ends[k]:
+            return self._key[self._bases[k]]
+        from modelexpress.local.cuda import allocation_range, is_vmm
+        base, size = allocation_range(ptr)
+        k = bisect.bisect_left(self._bases, base)
+        self._bases.insert(k, base)
+        self._ends.insert(k, base + size)
+        self._key[base] = -2 if is_vmm(base) else base
+        return self._key[base]
 
 
 def _plan(session: LocalSession, pairs: Sequence[Any], dst: Mapping[str, "torch.Tensor"],
           chunk_bytes: int) -> list[list[_Copy]]:
-    """Copies merged over runs contiguous on both sides, then split into chunks."""
+    """Copies merged over runs contiguous on both sides, then split into chunks.
+
+    A device copy is merged only within one source group and one destination
+    allocation: cuMemcpy refuses a range that spans two cudaMalloc allocations, even
+    adjacent ones (seen on the GPU machine: CUDA_ERROR_INVALID_VALUE). VMM chunks mapped
+    side by side (a source arena imported into one range; a destination arena) merge.
+    Host-to-host runs merge freely (plain memory).
+    """
     runs: list[_Copy] = []
+    allocs = _DstAllocations()
     for p in sorted(pairs, key=lambda p: p.remote.addr):
         n = p.remote.nbytes
         if n == 0:
@@ -242,9 +280,17 @@ def _plan(session: LocalSession, pairs: Sequence[Any], dst: Mapping[str, "torch.
         src_host = p.remote.device == "cpu"
         src = session.local_addr(p.remote.addr, n, host=src_host)
         dst_dev = -1 if t.device.type == "cpu" else (t.device.index or 0)
-        c = _Copy(src, t.data_ptr(), n, src_host and dst_dev < 0, dst_dev)
+        host = src_host and dst_dev < 0
+        if host:
+            key = (0, 0)
+        else:
+            src_key = -1 if src_host else session.cuda_map.group_of(p.remote.addr)
+            dst_key = t.data_ptr() if dst_dev < 0 else allocs.key(t.data_ptr())
+            key = (src_key, dst_key)
+        c = _Copy(src, t.data_ptr(), n, host, dst_dev, key)
         last = runs[-1] if runs else None
         if (last is not None and last.host == c.host and last.dst_device == c.dst_device
+                and last.key == c.key
                 and last.src + last.nbytes == c.src and last.dst + last.nbytes == c.dst):
             last.nbytes += n
         else:
@@ -259,7 +305,7 @@ def _plan(session: LocalSession, pairs: Sequence[Any], dst: Mapping[str, "torch.
                 chunks.append([])
                 filled = 0
             n = min(r.nbytes - off, limit - filled)
-            chunks[-1].append(_Copy(r.src + off, r.dst + off, n, r.host, r.dst_device))
+            chunks[-1].append(_Copy(r.src + off, r.dst + off, n, r.host, r.dst_device, r.key))
             off += n
             filled += n
     return [c for c in chunks if c]
@@ -315,11 +361,21 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
     total = sum(p.remote.nbytes for p in pairs)
     n_copies = 0
     try:
-        chunks = _plan(session, pairs, tensors, chunk_bytes)
-        n_copies = sum(len(c) for c in chunks)
-        _run(session, chunks, total, stop, deadline, deadline_s, progress, device)
+        # A GPU destination copies on its own stream; a host destination of device
+        # memory (device -> host) on the stream of the device that memory is mapped for.
+        stream_device = device if device is not None else (
+            session.cuda_map.device if session.cuda_map is not None else None)
+        with contextlib.ExitStack() as ctx:
+            if stream_device is not None:
+                from modelexpress.local.cuda import on_device
+                ctx.enter_context(on_device(stream_device))
+            chunks = _plan(session, pairs, tensors, chunk_bytes)
+            n_copies = sum(len(c) for c in chunks)
+            t_plan = time.monotonic()
+            phases["plan"] = t_plan - t_map
+            _run(session, chunks, total, stop, deadline, deadline_s, progress, stream_device)
         t_copy = time.monotonic()
-        phases["copy"] = t_copy - t_map
+        phases["copy"] = t_copy - t_plan
         verified = _verify(manifest, pairs, tensors, session.peer) if verify else 0
         phases["verify"] = time.monotonic() - t_copy
     finally:
@@ -338,63 +394,78 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
                            phases=phases)
 
 
+class _Runner:
+    """Runs the chunks: checks, enqueues, retires; ``done`` counts completed bytes."""
+
+    def __init__(self, session: LocalSession, total: int, progress: Callable[[int, int], None] | None,
+                 device: int | None) -> None:
+        import torch
+        self.session, self.total, self.progress = session, total, progress
+        self.stream = torch.cuda.current_stream(device) if device is not None else None
+        self.in_flight: list[tuple[Any, int]] = []   # (event, bytes), oldest first
+        self.done = 0
+
+    def _advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def retire(self, keep: int) -> None:
+        while len(self.in_flight) > keep:
+            event, n = self.in_flight.pop(0)
+            event.synchronize()
+            self._advance(n)
+
+    def run(self, chunks: Sequence[Sequence[_Copy]], stop: StopFlag | None, deadline: float,
+            deadline_s: float) -> None:
+        try:
+            for chunk in chunks:
+                self._check(stop, deadline, deadline_s)
+                self._chunk(chunk)
+            self.retire(0)
+        except BaseException:
+            # ORDER: copies already enqueued read the mappings the caller unmaps next.
+            if self.stream is not None:
+                self.stream.synchronize()
+            raise
+
+    def _check(self, stop: StopFlag | None, deadline: float, deadline_s: float) -> None:
+        # ORDER: checked before enqueuing, so nothing is copied from a source that went away.
+        peer, done, total = self.session.peer, self.done, self.total
+        if stop is not None and stop.is_set():
+            raise TransferCancelledError(f"local pull from {peer} stopped after "
+                                         f"{done} of {total} bytes")
+        if time.monotonic() > deadline:
+            raise TransferTimeoutError(f"local pull from {peer} ran past its {deadline_s:.0f} s "
+                                       f"deadline after {done} of {total} bytes")
+        if not self.session.alive():
+            raise PeerError(f"{peer} went away after {done} of {total} bytes; try another source")
+
+    def _chunk(self, chunk: Sequence[_Copy]) -> None:
+        import torch
+        host_bytes = dev_bytes = 0
+        for c in chunk:
+            if c.host:
+                _host_view(c.dst, c.nbytes).copy_(_host_view(c.src, c.nbytes))
+                host_bytes += c.nbytes
+            else:
+                from modelexpress.local.cuda import memcpy_async
+                assert self.stream is not None, "a device copy needs a stream"
+                memcpy_async(c.dst, c.src, c.nbytes, self.stream.cuda_stream)
+                dev_bytes += c.nbytes
+        if host_bytes:
+            self._advance(host_bytes)
+        if dev_bytes:
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self.in_flight.append((ev, dev_bytes))
+            self.retire(_IN_FLIGHT - 1)
+
+
 def _run(session: LocalSession, chunks: Sequence[Sequence[_Copy]], total: int,
          stop: StopFlag | None, deadline: float, deadline_s: float,
          progress: Callable[[int, int], None] | None, device: int | None) -> None:
-    import torch
-    stream = None
-    # A GPU destination copies on its own stream; a host destination of device
-    # memory (device -> host) on the stream of the device the source memory is mapped for.
-    stream_device = device if device is not None else (
-        session.cuda_map.device if session.cuda_map is not None else None)
-    if stream_device is not None:
-        from modelexpress.local.cuda import memcpy_async
-        stream = torch.cuda.current_stream(stream_device)
-    in_flight: list[tuple[Any, int]] = []   # (event, bytes)
-    done = 0
-
-    def retire(keep: int) -> None:
-        nonlocal done
-        while len(in_flight) > keep:
-            event, n = in_flight.pop(0)
-            event.synchronize()
-            done += n
-            if progress is not None:
-                progress(done, total)
-
-    for chunk in chunks:
-        # ORDER: checks before enqueuing, so nothing is copied from a source that went away.
-        if stop is not None and stop.is_set():
-            retire(0)
-            raise TransferCancelledError(f"local pull from {session.peer} stopped after "
-                                         f"{done} of {total} bytes")
-        if time.monotonic() > deadline:
-            retire(0)
-            raise TransferTimeoutError(f"local pull from {session.peer} ran past its "
-                                       f"{deadline_s:.0f} s deadline after {done} of {total} bytes")
-        if not session.alive():
-            retire(0)
-            raise PeerError(f"{session.peer} went away after {done} of {total} bytes; try "
-                            "another source")
-        nbytes = sum(c.nbytes for c in chunk)
-        gpu = False
-        for c in chunk:
-            if c.host:
-                dst = _host_view(c.dst, c.nbytes)
-                dst.copy_(_host_view(c.src, c.nbytes))
-            else:
-                memcpy_async(c.dst, c.src, c.nbytes, stream.cuda_stream)  # type: ignore[union-attr]
-                gpu = True
-        if gpu:
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            in_flight.append((ev, nbytes))
-            retire(_IN_FLIGHT - 1)
-        else:
-            done += nbytes
-            if progress is not None:
-                progress(done, total)
-    retire(0)
+    _Runner(session, total, progress, device).run(chunks, stop, deadline, deadline_s)
 
 
 def _host_view(addr: int, nbytes: int) -> "torch.Tensor":

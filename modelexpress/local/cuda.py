@@ -24,14 +24,16 @@ target) naming the call, the size and the device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import BackendError, ConfigError, PeerError
 
-__all__ = ["CudaExport", "CudaMapping", "describe_allocations", "export_vmm_fd", "memcpy_async"]
+__all__ = ["CudaExport", "CudaMapping", "allocation_range", "describe_allocations",
+           "export_vmm_fd", "is_vmm", "memcpy_async", "on_device"]
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +60,15 @@ def _check(drv: Any, result: Any, call: str, detail: str = "", error: type = Bac
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def _ensure_context(device: int) -> None:
-    """Make device's primary context current on this thread (through PyTorch's runtime)."""
+@contextlib.contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Make ``device``'s primary context current (through PyTorch's runtime, which then
+    restores the caller's device): driver calls act on the current context, and a
+    stream passed to cuMemcpyAsync must belong to it."""
     import torch
-    torch.cuda.set_device(device)
-    torch.cuda.current_stream(device)  # initialises the context if this thread has none
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # initialises the context if this thread has none
+        yield
 
 
 class CudaExport:
@@ -102,11 +108,11 @@ def describe_allocations(ranges: Iterable[tuple[int, int, int]]) -> list[CudaExp
     for addr, nbytes, device in sorted(ranges):
         hit = next((e for e in found.values() if e.addr <= addr < e.addr + e.size), None)
         if hit is None:
-            _ensure_context(device)
-            base, size = _check(drv, drv.cuMemGetAddressRange(drv.CUdeviceptr(addr)),
-                                "cuMemGetAddressRange", f"0x{addr:x} on cuda:{device}")
-            base, size = int(base), int(size)
-            hit = CudaExport(*_classify(drv, base, size, device))
+            with on_device(device):
+                base, size = _check(drv, drv.cuMemGetAddressRange(drv.CUdeviceptr(addr)),
+                                    "cuMemGetAddressRange", f"0x{addr:x} on cuda:{device}")
+                base, size = int(base), int(size)
+                hit = CudaExport(*_classify(drv, base, size, device))
             found[base] = hit
         if addr + nbytes > hit.addr + hit.size:
             raise BackendError(f"device range 0x{addr:x}+{nbytes} on cuda:{device} spans more "
@@ -146,16 +152,39 @@ def export_vmm_fd(addr: int, device: int) -> int:
         BackendError: the driver refused.
     """
     drv = _drv()
-    _ensure_context(device)
-    handle = _check(drv, drv.cuMemRetainAllocationHandle(drv.CUdeviceptr(addr)),
-                    "cuMemRetainAllocationHandle", f"0x{addr:x} on cuda:{device}")
-    try:
-        fd = _check(drv, drv.cuMemExportToShareableHandle(
-            handle, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-            "cuMemExportToShareableHandle", f"0x{addr:x} on cuda:{device}")
-    finally:
-        drv.cuMemRelease(handle)
+    with on_device(device):
+        handle = _check(drv, drv.cuMemRetainAllocationHandle(drv.CUdeviceptr(addr)),
+                        "cuMemRetainAllocationHandle", f"0x{addr:x} on cuda:{device}")
+        try:
+            fd = _check(drv, drv.cuMemExportToShareableHandle(
+                handle, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                "cuMemExportToShareableHandle", f"0x{addr:x} on cuda:{device}")
+        finally:
+            drv.cuMemRelease(handle)
     return int(fd)
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """``(base, size)`` of the device allocation holding ``ptr`` (one VMM chunk, one
+    cudaMalloc), in the current context.
+
+    Raises:
+        PeerError: ``ptr`` is not device memory.
+    """
+    drv = _drv()
+    base, size = _check(drv, drv.cuMemGetAddressRange(drv.CUdeviceptr(ptr)),
+                        "cuMemGetAddressRange", f"0x{ptr:x}", error=PeerError)
+    return int(base), int(size)
+
+
+def is_vmm(ptr: int) -> bool:
+    """Whether ``ptr`` lies in memory mapped with cuMemMap (VMM) rather than cudaMalloc."""
+    drv = _drv()
+    err, handle = drv.cuMemRetainAllocationHandle(drv.CUdeviceptr(ptr))
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return False
+    drv.cuMemRelease(handle)
+    return True
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -192,18 +221,20 @@ class CudaMapping(ClosedOnCollect):
         self._handles: list[Any] = []
         self._ipc: list[int] = []
         self._where: list[tuple[int, int, int]] = []
+        self._group_of: dict[int, int] = {}  # local start of a segment -> its group
         pending = [fd for g in groups for _, fd in g if fd >= 0]
         try:
-            _ensure_context(device)
-            for group in groups:
-                if group[0][0].kind == "cuda_ipc":
-                    self._open_ipc(group[0][0])
-                else:
-                    self._map_vmm(group)
-            self._where.sort()
-        except BaseException:
-            self._undo()
-            raise
+            with on_device(device):
+                try:
+                    for group in groups:
+                        if group[0][0].kind == "cuda_ipc":
+                            self._open_ipc(group[0][0])
+                        else:
+                            self._map_vmm(group)
+                    self._where.sort()
+                except BaseException:
+                    self._undo()
+                    raise
         finally:
             import os
             for fd in pending:
@@ -217,12 +248,13 @@ class CudaMapping(ClosedOnCollect):
         drv = self._drv
         h = drv.CUipcMemHandle()
         h.reserved = seg.ipc
-        flags = drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        flags = int(drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.value)
         ptr = int(_check(drv, drv.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle",
                          f"{seg.size} bytes of cuda:{seg.device} into cuda:{self.device}",
                          error=PeerError))
         self._ipc.append(ptr)
         self._where.append((seg.addr, seg.addr + seg.size, ptr))
+        self._group_of[ptr] = len(self._group_of)  # an IPC mapping is its own group
 
     def _map_vmm(self, group: Sequence[tuple[Any, int]]) -> None:
         drv = self._drv
@@ -248,6 +280,7 @@ class CudaMapping(ClosedOnCollect):
             desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
             access.append(desc)
         ht = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        gid = len(self._reserved) + (1 << 32)  # one group per reserved range
         for seg, fd in group:
             handle = _check(drv, drv.cuMemImportFromShareableHandle(fd, ht),
                             "cuMemImportFromShareableHandle", f"{seg.size} bytes of cuda:{src_dev}",
@@ -261,6 +294,7 @@ class CudaMapping(ClosedOnCollect):
                    "cuMemSetAccess", f"{seg.size} bytes at 0x{at:x} for cuda:{sorted({src_dev, self.device})}",
                    error=PeerError)
             self._where.append((seg.addr, seg.addr + seg.size, at))
+            self._group_of[at] = gid
 
     def local_addr(self, src_addr: int, nbytes: int) -> int:
         """Where ``[src_addr, src_addr + nbytes)`` of the source is mapped here.
@@ -284,6 +318,16 @@ class CudaMapping(ClosedOnCollect):
                 return at + (src_addr - s)
         raise PeerError(f"source range 0x{src_addr:x}+{nbytes} is not in any shared device segment")
 
+    def group_of(self, src_addr: int) -> int:
+        """The group of the mapped segment holding ``src_addr``: one CUDA IPC mapping, or
+        one reserved range of imported VMM chunks. A copy may span chunks of one range
+        (one cuMemcpy across two imported chunks worked on the GPU machine, bench/local.py
+        ``copy_across_vmm_chunks``) but never two legacy allocations (refused with
+        CUDA_ERROR_INVALID_VALUE there)."""
+        import bisect
+        k = bisect.bisect_right(self._where, (src_addr, float("inf"), 0)) - 1
+        return self._group_of[self._where[k][2]] if k >= 0 else -1
+
     def _undo(self) -> None:
         drv = self._drv
         for at, size in reversed(self._mapped):
@@ -303,14 +347,15 @@ class CudaMapping(ClosedOnCollect):
         self._reserved.clear()
         self._ipc.clear()
         self._where.clear()
+        self._group_of.clear()
 
     def close(self) -> None:
         """Unmap, release and close everything. Idempotent; pending copies must be done."""
         if self._closed:
             return
         self._closed = True
-        _ensure_context(self.device)
-        self._undo()
+        with on_device(self.device):
+            self._undo()
 
 
 def check_device(device: int) -> None:

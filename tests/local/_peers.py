@@ -55,6 +55,18 @@ def run_source(args: argparse.Namespace) -> None:
             keep.append(b)
             src.add_host_buffer(b)
             shared.update(one)
+    elif args.layout == "cuda":  # PyTorch's caching allocator: CUDA IPC handles
+        shared = {k: v.to(args.device) for k, v in tensors.items()}
+    elif args.layout == "vmm":  # the CUDA VMM arena: POSIX-fd handles per chunk
+        from modelexpress.vmm import maybe_enter_vmm_arena
+        dev = torch.device(args.device).index or 0
+        with maybe_enter_vmm_arena(True, dev) as arena:
+            if arena is None:
+                raise SystemExit("the VMM arena is unavailable here (see the warning above)")
+            shared = {k: v.to(args.device) for k, v in tensors.items()}
+        torch.cuda.synchronize(dev)
+        keep.append(arena)
+        src.add_vmm_arena(arena)
     else:  # a host VMM arena, one chunk per tensor, laid out contiguously
         from modelexpress.vmm import HostVmmBackend, VmmArena
         arena = VmmArena(1 << 34, backend=HostVmmBackend())
@@ -65,7 +77,7 @@ def run_source(args: argparse.Namespace) -> None:
             view.copy_(t)
             shared[name] = view
         src.add_vmm_arena(arena)
-    src.add_tensors(shared)  # all covered already: a no-op that must not raise
+    src.add_tensors(shared)  # CUDA tensors become segments; others are covered already
     manifest = build_manifest(shared, agent_name=f"src-{os.getpid()}")
     src.start()
     tmp = args.out + ".tmp"
@@ -87,15 +99,17 @@ def run_target(args: argparse.Namespace) -> None:
         ep = dict(ep, token=args.token)
     endpoint = LocalEndpoint.from_json(ep)
     manifest = Manifest.from_json(info["manifest"])
-    dst = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in manifest.tensors}
+    dst = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=args.dst_device)
+           for t in manifest.tensors}
     before = fd_count()
     out = {"pid": os.getpid(), "fds_before": before}
     try:
         res = pull(endpoint, manifest, dst, deadline_s=60)
         out.update(ok=True, nbytes=res.nbytes, copies=res.copies, verified=res.verified)
         want = make_tensors(args.seed, args.mib)
-        out["equal"] = all(torch.equal(want[k].view(torch.uint8), dst[k].view(torch.uint8))
+        out["equal"] = all(torch.equal(want[k].view(torch.uint8), dst[k].cpu().view(torch.uint8))
                            for k in want)
+        out["segments"] = res.segments
     except Exception as exc:  # noqa: BLE001 - reported to the test as JSON
         out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
     out["fds_after"] = fd_count()
@@ -106,7 +120,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("role", choices=["source", "target"])
     p.add_argument("path")
-    p.add_argument("--layout", default="buffer", choices=["buffer", "buffers", "arena"])
+    p.add_argument("--layout", default="buffer",
+                   choices=["buffer", "buffers", "arena", "cuda", "vmm"])
+    p.add_argument("--device", default="cuda:0", help="source device of the cuda/vmm layouts")
+    p.add_argument("--dst-device", default="cpu", help="target's destination device")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--mib", type=int, default=16)
     p.add_argument("--ipc-dir", default="")

@@ -202,3 +202,32 @@ def test_maybe_enter_vmm_arena_lives_past_load_and_rolls_back():
             torch.empty(1 << 20, device="cuda:0")
             raise RuntimeError("load failed")
     assert failed.closed  # rollback closed the arena
+
+
+def test_auto_handle_type_exports_posix_fds_and_keeps_the_dmabuf_range():
+    """'auto' asks for POSIX-fd handles where the device supports them (the H200 does):
+    every chunk exports a descriptor, and a dmabuf over the range still works."""
+    import torch
+    backend = CudaVmmBackend(0, handle_type="auto")
+    assert backend.handle_type == "posix_fd"
+    fds0 = len(os.listdir("/proc/self/fd"))
+    with VmmArena(1 << 36, backend=backend) as arena:
+        vas = [arena.malloc(n) for n in (2 * MiB, 6 * MiB, 4 * MiB)]
+        exported = arena.export_chunks()
+        assert [(va, size) for va, size, _ in exported] == arena.live_allocations()
+        assert all(fd >= 0 for _, _, fd in exported)
+        for _, _, fd in exported:
+            os.close(fd)
+        base, used = arena.registered_range()
+        dmabuf = backend.export_dmabuf(base, used)
+        os.close(dmabuf)
+        assert vas[0] == base
+    torch.cuda.synchronize()
+    assert len(os.listdir("/proc/self/fd")) == fds0
+
+
+def test_none_handle_type_refuses_export():
+    with VmmArena(1 << 34, backend=CudaVmmBackend(0, handle_type="none")) as arena:
+        arena.malloc(2 * MiB)
+        with pytest.raises(Exception, match="cannot be exported"):
+            arena.export_chunks()

@@ -1,0 +1,116 @@
+"""The local transport's CUDA paths (GPU machine only): CUDA IPC and VMM POSIX-fd segments.
+
+Each test runs a real source process (tests/local/_peers.py) and pulls in this
+process; bytes are compared with the seeded data, descriptors counted in both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from modelexpress.errors import PeerError
+from modelexpress.local import LocalEndpoint, fd_count, pull
+from modelexpress.transfer.manifest import Manifest
+
+from ._peers import make_tensors
+
+pytestmark = pytest.mark.gpu
+
+
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+DEVICES = ["cuda:0", pytest.param("cuda:1", marks=pytest.mark.skipif(
+    not _two_gpus(), reason="needs two GPUs (the nvidia-h200-x2 kind); one is present"))]
+
+
+def _parts(src):  # type: ignore[no-untyped-def]
+    return LocalEndpoint.from_json(src.info["endpoint"]), Manifest.from_json(src.info["manifest"])
+
+
+def _dst(manifest: Manifest, device: str) -> dict[str, torch.Tensor]:
+    return {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype), device=device)
+            for t in manifest.tensors}
+
+
+def _equal(src, dst) -> bool:  # type: ignore[no-untyped-def]
+    want = make_tensors(src.seed, src.mib)
+    return all(torch.equal(want[k].view(torch.uint8), dst[k].cpu().view(torch.uint8)) for k in want)
+
+
+@pytest.mark.parametrize("dst_device", DEVICES)
+@pytest.mark.parametrize("layout,kind", [("cuda", "cuda_ipc"), ("vmm", "vmm_fd")])
+def test_gpu_pull_maps_the_source_memory_and_copies_every_byte(make_source, layout, kind,
+                                                               dst_device):
+    src = make_source(layout, mib=64)
+    endpoint, manifest = _parts(src)
+    assert manifest.digest_algorithm == "wsum-i32-v1"
+    src_fds = src.fds()
+    dst = _dst(manifest, dst_device)
+    res = pull(endpoint, manifest, dst, chunk_bytes=8 << 20)
+    assert res.transport == "local" and set(res.segments) == {kind}, res
+    assert res.verified == len(manifest.tensors)
+    assert _equal(src, dst)
+    assert src.fds_settle(src_fds) == src_fds
+    # The first pull in a process also opens the driver's own descriptors (a device's
+    # context, peer mappings): count from the second pull, which must leave none.
+    dst2 = _dst(manifest, dst_device)
+    my_fds = fd_count()
+    pull(endpoint, manifest, dst2, chunk_bytes=8 << 20)
+    assert _equal(src, dst2)
+    assert fd_count() == my_fds
+    assert src.fds_settle(src_fds) == src_fds
+
+
+def test_gpu_arena_to_arena_merges_copies_across_chunks(make_source):
+    """Source and target both load in a VMM arena: runs contiguous on both sides are
+    copied as one cuMemcpy across chunk boundaries."""
+    from modelexpress.vmm import maybe_enter_vmm_arena
+    src = make_source("vmm", mib=64)
+    endpoint, manifest = _parts(src)
+    with maybe_enter_vmm_arena(True, 0) as arena:
+        assert arena is not None
+        dst = _dst(manifest, "cuda:0")
+    try:
+        res = pull(endpoint, manifest, dst)
+        assert _equal(src, dst)
+        assert res.copies < len(manifest.tensors), res
+    finally:
+        del dst
+        torch.cuda.synchronize()
+        arena.close()
+
+
+def test_gpu_host_source_to_device_and_device_source_to_host(make_source):
+    host_src = make_source("buffer", mib=32)
+    endpoint, manifest = _parts(host_src)
+    dst = _dst(manifest, "cuda:0")
+    res = pull(endpoint, manifest, dst, verify=False)
+    assert res.segments == {"memfd": 1} and _equal(host_src, dst)
+    dev_src = make_source("vmm", mib=32)
+    endpoint, manifest = _parts(dev_src)
+    dst = _dst(manifest, "cpu")
+    res = pull(endpoint, manifest, dst, verify=False)
+    assert res.segments == {"vmm_fd": res.segments["vmm_fd"]} and _equal(dev_src, dst)
+
+
+@pytest.mark.parametrize("layout", ["cuda", "vmm"])
+def test_gpu_source_killed_mid_copy_is_a_peer_error(make_source, layout):
+    src = make_source(layout, mib=64)
+    endpoint, manifest = _parts(src)
+    my_fds = fd_count()
+
+    def progress(done: int, total: int) -> None:
+        if src.proc.poll() is None:
+            os.kill(src.pid, signal.SIGKILL)
+            src.proc.wait(20)
+
+    with pytest.raises(PeerError, match="went away"):
+        pull(endpoint, manifest, _dst(manifest, "cuda:0"), chunk_bytes=1 << 20,
+             progress=progress, deadline_s=60)
+    assert fd_count() == my_fds
