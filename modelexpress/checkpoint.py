@@ -15,6 +15,7 @@ import logging
 import os
 import pathlib
 import shutil
+import stat
 import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
@@ -47,18 +48,27 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[pathlib.Path]:
 
     Raises:
         ConfigError: the path does not exist or holds no safetensors file.
+        CheckpointError: the path is another kind of file, or cannot be read.
     """
     root = pathlib.Path(path)
-    if root.is_file() and root.suffix == ".safetensors":
-        return [root]
-    if root.exists() and not root.is_dir():
+    try:
+        # os.stat / listdir, not Path.is_dir / glob: those hide a permission error
+        # as "does not exist" or "no files".
+        mode = os.stat(root).st_mode
+        names = os.listdir(root) if stat.S_ISDIR(mode) else None
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {root} does not exist (expected a directory of "
+                          "*.safetensors files or one such file)") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {root}: {exc.strerror or exc}") from exc
+    if names is None:
+        if root.suffix == ".safetensors":
+            return [root]
         raise CheckpointError(f"checkpoint {root} is not a *.safetensors file (modelexpress "
                               "reads safetensors checkpoints; convert it, e.g. with "
                               "safetensors.torch.save_file)")
-    if not root.is_dir():
-        raise ConfigError(f"checkpoint {root} does not exist (expected a directory of "
-                          "*.safetensors files or one such file)")
-    files = sorted(root.glob("*.safetensors"))
+    files = sorted(root / name for name in names if name.endswith(".safetensors")
+                   and not (root / name).is_dir())
     if not files:
         raise ConfigError(f"checkpoint directory {root} holds no *.safetensors file")
     return files

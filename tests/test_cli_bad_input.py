@@ -95,9 +95,12 @@ def files() -> Iterator[pathlib.Path]:
     (root / "locked").mkdir(mode=0o755)
     save_file({"a": torch.zeros(2)}, str(root / "locked" / "model.safetensors"))
     os.chmod(root / "locked" / "model.safetensors", 0o000)
+    (root / "lockeddir").mkdir()
+    save_file({"a": torch.zeros(2)}, str(root / "lockeddir" / "model.safetensors"))
     for d in root.iterdir():
         if d.is_dir():
             os.chmod(d, 0o755)
+    os.chmod(root / "lockeddir", 0o311)  # others may enter, not list
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -133,11 +136,15 @@ def test_publish_bad_checkpoint_with_debug_shows_the_traceback_then_the_line(
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="runs the command as nobody (setpriv needs root)")
-def test_publish_unreadable_checkpoint(files: pathlib.Path) -> None:
-    ran = run(["publish", str(files / "locked"), "--model", "m"], user=65534,
+@pytest.mark.parametrize(("checkpoint", "named", "why"), [
+    ("locked", "locked/model.safetensors", "Permission denied"),  # our check
+    ("lockeddir", "lockeddir", "is not readable"),  # the CLI's argument check, first
+])
+def test_publish_unreadable_checkpoint(files: pathlib.Path, checkpoint: str, named: str,
+                                       why: str) -> None:
+    ran = run(["publish", str(files / checkpoint), "--model", "m"], user=65534,
               env={"HOME": str(files)})
-    assert_fails(ran, 2, "Permission denied")
-    assert str(files / "locked" / "model.safetensors") in ran.last_line
+    assert_fails(ran, 2, (why, f"{files / named}"))
 
 
 # --- usage, settings, the server's own flags -------------------------------------------

@@ -117,3 +117,26 @@ def test_a_full_disk_leaves_neither_the_final_nor_a_temporary_name(
         assert list(mnt.iterdir()) == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to nobody to make a directory unlistable")
+def test_an_unlistable_checkpoint_directory_is_named_not_reported_empty(
+        tmp_path: pathlib.Path) -> None:
+    # glob() on a directory one may not list returns nothing: the error would read
+    # "holds no *.safetensors file". The library says what is wrong instead.
+    import shutil
+    import tempfile
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="mx-unlistable-"))  # nobody may enter it
+    os.chmod(work, 0o755)
+    ckpt = work / "ckpt"
+    save_checkpoint({"a": torch.arange(4)}, ckpt)
+    os.chmod(ckpt, 0o311)
+    code = ("from modelexpress.checkpoint import checkpoint_files as f\n"
+            "try:\n    f(%r)\nexcept Exception as e:\n    print(type(e).__name__, e)\n" % str(ckpt))
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+    shutil.rmtree(work)
+    assert out.stdout.strip() == (f"CheckpointError cannot read checkpoint {ckpt}: "
+                                  "Permission denied"), out.stderr[-2000:]
