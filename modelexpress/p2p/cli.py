@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import pathlib
+import re
 import time
 from typing import Any, Optional
 
@@ -64,6 +65,28 @@ def _device_index(device: str) -> int:
     return int(device.split(":")[1]) if ":" in device else 0
 
 
+def _check_device(device: str) -> str:
+    """``--device``: ``cpu`` or a CUDA device this host has.
+
+    Raises:
+        ConfigError: anything else; says what this host offers.
+    """
+    if device == "cpu":
+        return device
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ConfigError(f"--device {device!r} is not a device; use cpu or cuda:N")
+    import torch  # only for a CUDA device: a CPU pull imports torch later, overlapped
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"--device {device}: this host has no CUDA device torch can use "
+                          f"(torch {torch.__version__}); use --device cpu")
+    if _device_index(device) >= count:
+        raise ConfigError(f"--device {device}: this host has {count} CUDA device(s), "
+                          f"cuda:0 to cuda:{count - 1}")
+    return device
+
+
 def publish(
     checkpoint: pathlib.Path = typer.Argument(..., help="safetensors checkpoint directory or file"),
     model: str = typer.Option(..., "--model", help="model name (part of the identity)"),
@@ -92,6 +115,7 @@ def publish(
 
     settings = _settings(server, as_json)
     checkpoint_files(checkpoint)  # a bad path fails before the heavy imports
+    _check_device(device)
     arena = None
     with support.stop_on_signals() as stop, contextlib.ExitStack() as stack:
         log.info("loading checkpoint %s", checkpoint)
@@ -171,6 +195,7 @@ def pull(
     from modelexpress.p2p.target import PullOptions, pull as do_pull
 
     settings = _settings(server, as_json)
+    _check_device(device)
     check_output(out, overwrite)  # refuse before any byte moves
     with _client(settings) as client, support.stop_on_signals(
             f"pull of {model} stopped; nothing was written to {out}") as stop:
@@ -244,6 +269,7 @@ def agent(
     from modelexpress.p2p.agent import Agent, AgentOptions
 
     settings = _settings(server)
+    _check_device(device)
     flags = {"serve_after_pull": serve_after, "chunk_bytes": chunk_bytes or None,
              "max_gbps": max_gbps}
     options = AgentOptions.from_settings(
