@@ -23,7 +23,20 @@ through one long-lived agent whose UCX context already mapped the peer's memory;
 validation; digest verification is reported separately. With ``--sources 2`` a
 striped pull from both sources is measured too (``gbps_p2p_striped``).
 
+``--small`` measures instead the fixed cost of a small pull (the all-MiniLM-L6-v2
+checkpoint the demo serves, 90.9 MB): ``--runs`` ``modelexpress pull`` commands,
+each a fresh process as a user runs it (``small_command_s``: the command's wall time;
+``small_pull_s`` the ``pull()`` call inside it, with ``small_phases``: imports,
+control plane, agent, registration, peer metadata, connect READ, data plane, close;
+see ``PullResult.phases``), the same pull from a process that pulled before
+(``small_warm_pull_s``, ``small_warm_phases``: the per-pull cost once torch and UCX
+are loaded), and a REST transfer run by a ``modelexpress agent`` started beforehand
+(``small_rest_transfer_s``: start to SUCCEEDED, as ``./dev demo`` shows it;
+``small_rest_first_s`` the agent's first);
+``small_disk_warm_s`` loads the same checkpoint from a warm page cache. Medians.
+
 Usage: python bench/p2p.py [--quick] [--gpu] [--layers N] [--sources 1|2]
+       python bench/p2p.py --small [--runs N]
 Prints progress lines, then ONE JSON object on the last line.
 """
 
@@ -101,6 +114,115 @@ def _verify(dest: dict[str, Any], checkpoint: pathlib.Path) -> bool:
     return seen == set(dest)
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _median_phases(phases: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(_median([p.get(k, 0.0) for p in phases]), 4) for k in phases[0]}
+
+
+def _small(runs: int, work: pathlib.Path) -> dict[str, Any]:
+    """The fixed cost of a small pull (see the module docstring, ``--small``)."""
+    import subprocess
+
+    from modelexpress._subproc import ModuleProcess, clean_env
+    from modelexpress.checkpoint import real_model_checkpoint, time_disk_load
+    from modelexpress.client import MxClient
+    from modelexpress.p2p import PullOptions, pull
+
+    ckpt = real_model_checkpoint()
+    model = "sentence-transformers/all-MiniLM-L6-v2"
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = clean_env(MX_SERVER_URL=url, MX_LOG_LEVEL="WARNING", PYTHONPATH=pythonpath)
+    procs: list[ModuleProcess] = []
+    out: dict[str, Any] = {"mode": "small", "model": model, "runs": runs}
+    try:
+        procs.append(ModuleProcess(["modelexpress.server", "--host", "127.0.0.1", "--port",
+                                    str(port), "--store", f"sqlite:///{work / 'small.db'}"],
+                                   work / "server.log", env, cwd=ROOT))
+        client = MxClient(url, timeout_s=30.0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.health()
+                break
+            except Exception:  # noqa: BLE001 - still starting
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        procs.append(ModuleProcess(["modelexpress", "publish", str(ckpt), "--model", model,
+                                    "--json", "--worker-id", "small-src"],
+                                   work / "source.log", env, cwd=ROOT))
+        published = procs[-1].json_line(300)
+        out["bytes"] = published["bytes"]
+        commands, pulls, phases, commands_json = [], [], [], []
+        for i in range(runs):
+            t0 = time.perf_counter()
+            done = subprocess.run(
+                [sys.executable, "-m", "modelexpress", "pull", "--model", model, "--out",
+                 str(work / f"out-{i}"), "--json"], env=env, cwd=ROOT, capture_output=True,
+                timeout=300, check=True)
+            commands.append(time.perf_counter() - t0)
+            result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+            pulls.append(result["total_seconds"])
+            phases.append(result["phases"])
+            commands_json.append(result.get("command", {}))
+            _say(f"pull command {i}: {commands[-1]:.3f} s, pull() {pulls[-1]:.3f} s, "
+                 f"data plane {result['seconds']:.4f} s; phases {result['phases']}")
+        out["small_command_s"] = round(_median(commands), 4)
+        out["small_pull_s"] = round(_median(pulls), 4)
+        out["small_phases"] = _median_phases(phases)
+        if commands_json[0]:
+            out["small_command"] = _median_phases(commands_json)
+        # The same pull from this process, after one pull loaded torch and UCX.
+        options = PullOptions(timeout_s=120)
+        identity = client.list_sources(state="READY")[0].model_identity
+        pull(identity, None, client=client, options=options)
+        warm = [pull(identity, None, client=client, options=options) for _ in range(runs)]
+        out["small_warm_pull_s"] = round(_median([r.total_seconds for r in warm]), 4)
+        out["small_warm_phases"] = _median_phases([dict(r.phases) for r in warm])
+        out["small_data_plane_s"] = round(_median([r.seconds for r in warm]), 4)
+        _say(f"warm process: pull() {out['small_warm_pull_s']:.3f} s; "
+             f"phases {out['small_warm_phases']}")
+        # A REST transfer to an agent that is already running (the demo's number).
+        procs.append(ModuleProcess(["modelexpress", "agent", "--id", "small-agent",
+                                    "--no-serve"], work / "agent.log", env, cwd=ROOT))
+        deadline = time.monotonic() + 180
+        while "small-agent" not in {a.id for a in client.list_agents()}:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the agent did not register within 180 s")
+            time.sleep(0.2)
+        rest = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            record = client.start_transfer(identity, "small-agent")
+            deadline = time.monotonic() + 120
+            while (record := client.get_transfer(record.id)).state not in (
+                    "SUCCEEDED", "FAILED", "STOPPED"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"transfer {record.id} still {record.state} after 120 s")
+                time.sleep(0.005)
+            rest.append(time.perf_counter() - t0)
+            if record.state != "SUCCEEDED":
+                raise RuntimeError(f"REST transfer {record.id} ended {record.state}: "
+                                   f"{record.error}")
+        out["small_rest_first_s"] = round(rest[0], 4)  # the agent's first transfer
+        out["small_rest_transfer_s"] = round(_median(rest), 4)
+        out["small_rest_transfers_s"] = [round(r, 4) for r in rest]
+        _say(f"REST transfers (start to SUCCEEDED, polled every 5 ms): {out['small_rest_transfers_s']}")
+        out["small_disk_warm_s"] = round(min(time_disk_load(ckpt, cold=False)
+                                             for _ in range(3)), 4)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,7 +234,19 @@ def main() -> None:
     parser.add_argument("--no-digests", action="store_true",
                         help="pull without per-tensor digest checks (bytes are still "
                              "compared with the checkpoint afterwards)")
+    parser.add_argument("--small", action="store_true",
+                        help="the fixed cost of a small pull (all-MiniLM-L6-v2), not the rate")
+    parser.add_argument("--runs", type=int, default=5, help="--small: runs of each kind")
     args = parser.parse_args()
+    if args.small:
+        work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="mx-bench-small-"))
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            print(json.dumps(_small(args.runs, work)))
+        finally:
+            if args.workdir is None:
+                shutil.rmtree(work, ignore_errors=True)
+        return
     layers = args.layers or (1 if args.quick else 5)
 
     import torch

@@ -18,6 +18,7 @@ import logging
 import pathlib
 import shutil
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from modelexpress._closing import Closeable
@@ -112,6 +113,33 @@ class Agent(Closeable):
         self.client.register_agent(self.agent_id, labels={"device": self.options.device})
         log.info("agent %s registered (device %s)", self.agent_id, self.options.device)
 
+    def warm_up(self) -> float:
+        """Pay the process's one-time costs before taking transfers; returns the seconds.
+
+        A fresh process's first pull imports torch and the transfer layer and starts
+        UCX for the first time (its first NIXL agent costs several times a later one:
+        docs/benchmarks.md, "Fixed cost of a small pull"). An agent is long-lived, so it
+        pays them once here, before it registers, and not inside the first transfer an
+        operator starts.
+
+        Raises:
+            MxError: NIXL cannot start (the agent could not pull anyway).
+        """
+        t0 = time.perf_counter()
+        import torch
+
+        from modelexpress.p2p.readers import AgentStart
+
+        device = torch.device(self.options.device)
+        start = AgentStart(self.options.pull.backend, device if device.type == "cuda" else None)
+        try:
+            start.get()
+        finally:
+            start.close()
+        seconds = time.perf_counter() - t0
+        log.info("agent %s: torch and NIXL ready in %.3f s", self.agent_id, seconds)
+        return seconds
+
     def run(self, stop: threading.Event, max_transfers: int | None = None) -> None:
         """Poll and execute assignments until ``stop`` is set (or ``max_transfers`` ran).
 
@@ -119,6 +147,7 @@ class Agent(Closeable):
         once the server answers again (a restarted server may have lost nothing, but
         re-registering releases claims this agent never started).
         """
+        self.warm_up()
         self.register()
         ran = 0
         backoff = 0.5
