@@ -62,18 +62,20 @@ _RETRY_STATUS = frozenset({502, 503, 504})
 
 
 def _outcome_json(outcome: dict[str, Any] | TransferOutcome) -> dict[str, Any]:
+    """The outcome as the server takes it; ValidationError names what is wrong."""
     if isinstance(outcome, TransferOutcome):
         return dataclasses.asdict(outcome)
-    unknown = set(outcome) - {f.name for f in dataclasses.fields(TransferOutcome)}
+    names = [f.name for f in dataclasses.fields(TransferOutcome)]
+    unknown = set(outcome) - set(names)
     if unknown:
-        raise ValidationError(f"outcome: unknown key(s) {sorted(unknown)}; allowed: "
-                              f"{[f.name for f in dataclasses.fields(TransferOutcome)]}")
+        raise ValidationError(f"outcome: unknown key(s) {sorted(unknown)}; allowed: {names}")
     try:
         return dataclasses.asdict(TransferOutcome.from_json(outcome))
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ValidationError(f"outcome.{where}: {first['msg']}") from exc
+        raise ValidationError(f"outcome.{where}: {first['msg']} "
+                              f"(got {first.get('input')!r})") from exc
 
 
 _R = TypeVar("_R")
@@ -414,15 +416,20 @@ class MxClient(ClosedOnCollect):
                 ``rate_bps``, ``verdict`` ok/slow/unknown, ``data_plane_s``,
                 ``total_s``); omitted keys take its defaults.
 
+                An outcome this client cannot send (an unknown key, a value out of
+                range) is left out with a WARNING that says why: the finish itself,
+                the transfer's final state, is never lost to its metrics.
+
         Raises:
-            ValidationError: ``outcome`` has an unknown key or a value out of range
-                (checked here, before anything is sent).
             ConflictError: illegal, e.g. SUCCEEDED after a stop was asked (the stop
                 won), or STOPPED when no stop was asked.
         """
         body: dict[str, Any] = {"state": state, "error": error, "bytes_done": bytes_done}
         if outcome is not None:
-            body["outcome"] = _outcome_json(outcome)
+            try:
+                body["outcome"] = _outcome_json(outcome)
+            except ValidationError as exc:
+                log.warning("transfer %s: finishing without its outcome: %s", transfer_id, exc)
         return _reply(TransferInfo, self._request(
             "POST", f"/v1/transfers/{transfer_id}/finish", json=body))
 
