@@ -187,7 +187,7 @@ class RateCap:
         remaining = self._deadline - time.monotonic()
         end = time.monotonic() + min(ahead, remaining)
         while time.monotonic() < end and not self._stopped():
-            time.sleep(min(end - time.monotonic(), 0.05))
+            time.sleep(max(0.0, min(end - time.monotonic(), 0.05)))  # end may pass meanwhile
         if ahead > remaining and not self._stopped():
             raise TransferTimeoutError(
                 f"pull deadline of {self._deadline_s:.0f} s ran out with the receive rate "
