@@ -11,6 +11,8 @@ with the copy engine (GPU) or memcpy (host) straight into its tensors.
 * :func:`host_id` (``hostid.py``): decides "same host" (boot id or ``MX_NODE_NAME``).
 * :class:`HostBuffer` / :func:`host_buffer_like` (``memory.py``): shareable host memory.
 * :class:`LocalOptions`: the settings a pull path needs, built once from MxSettings.
+* :func:`local_reader_factory` / :func:`publish_attributes` (``reader.py``): the seam to
+  ``modelexpress.p2p`` (a reader per source; the endpoint in the manifest's attributes).
 
 Nothing here imports torch or cuda-python at import time.
 """
@@ -20,21 +22,33 @@ from modelexpress.local.hostid import host_id, same_host
 from modelexpress.local.memory import HostBuffer, HostMapping, host_buffer_like
 from modelexpress.local.options import LocalOptions
 from modelexpress.local.protocol import LocalEndpoint, Segment
+from modelexpress.local.reader import (
+    ATTRIBUTE,
+    LocalReader,
+    endpoint_of,
+    local_reader_factory,
+    publish_attributes,
+)
 from modelexpress.local.server import LocalSource
 
 __all__ = [
+    "ATTRIBUTE",
     "TRANSPORT",
     "HostBuffer",
     "HostMapping",
     "LocalEndpoint",
     "LocalOptions",
     "LocalPullResult",
+    "LocalReader",
     "LocalSession",
     "LocalSource",
     "Segment",
+    "endpoint_of",
     "fd_count",
     "host_buffer_like",
     "host_id",
+    "local_reader_factory",
+    "publish_attributes",
     "pull",
     "same_host",
 ]

@@ -25,7 +25,7 @@ import select
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import (
@@ -53,8 +53,12 @@ _HOST_CHUNK_BYTES = 64 << 20   # host copies are synchronous: smaller chunks, fi
 _IN_FLIGHT = 2                 # GPU chunks enqueued ahead (keeps the copy engine busy)
 
 
-class StopFlag(Protocol):
+class _Event(Protocol):
     def is_set(self) -> bool: ...
+
+
+StopFlag = Union[_Event, Callable[[], bool]]
+"""A threading.Event-like flag or a callable (``transfer.StopSignal``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,7 +436,7 @@ class _Runner:
     def _check(self, stop: StopFlag | None, deadline: float, deadline_s: float) -> None:
         # ORDER: checked before enqueuing, so nothing is copied from a source that went away.
         peer, done, total = self.session.peer, self.done, self.total
-        if stop is not None and stop.is_set():
+        if stop is not None and (stop.is_set() if hasattr(stop, "is_set") else stop()):
             raise TransferCancelledError(f"local pull from {peer} stopped after "
                                          f"{done} of {total} bytes")
         if time.monotonic() > deadline:

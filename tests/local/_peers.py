@@ -78,7 +78,9 @@ def run_source(args: argparse.Namespace) -> None:
             shared[name] = view
         src.add_vmm_arena(arena)
     src.add_tensors(shared)  # CUDA tensors become segments; others are covered already
-    manifest = build_manifest(shared, agent_name=f"src-{os.getpid()}")
+    from modelexpress.local import publish_attributes
+    manifest = build_manifest(shared, agent_name=f"src-{os.getpid()}",
+                              attributes=publish_attributes(src))
     src.start()
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
@@ -99,12 +101,29 @@ def run_target(args: argparse.Namespace) -> None:
         ep = dict(ep, token=args.token)
     endpoint = LocalEndpoint.from_json(ep)
     manifest = Manifest.from_json(info["manifest"])
-    dst = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=args.dst_device)
-           for t in manifest.tensors}
+    arena = None
+    if args.dst_arena:  # the target loads in its own VMM arena (MX_VMM_ARENA=1)
+        from modelexpress.vmm import maybe_enter_vmm_arena
+        with maybe_enter_vmm_arena(True, torch.device(args.dst_device).index or 0) as arena:
+            assert arena is not None, "the VMM arena is unavailable"
+            dst = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype),
+                                       device=args.dst_device) for t in manifest.tensors}
+    else:
+        dst = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=args.dst_device)
+               for t in manifest.tensors}
     before = fd_count()
     out = {"pid": os.getpid(), "fds_before": before}
+    progress = None
+    if args.kill_source:
+        import signal
+
+        def progress(done: int, total: int) -> None:  # kill the source after the first chunk
+            if not out.get("killed"):
+                os.kill(args.kill_source, signal.SIGKILL)
+                out["killed"] = True
     try:
-        res = pull(endpoint, manifest, dst, deadline_s=60)
+        res = pull(endpoint, manifest, dst, deadline_s=60, progress=progress,
+                   chunk_bytes=args.chunk_bytes)
         out.update(ok=True, nbytes=res.nbytes, copies=res.copies, verified=res.verified)
         want = make_tensors(args.seed, args.mib)
         out["equal"] = all(torch.equal(want[k].view(torch.uint8), dst[k].cpu().view(torch.uint8))
@@ -112,6 +131,18 @@ def run_target(args: argparse.Namespace) -> None:
         out["segments"] = res.segments
     except Exception as exc:  # noqa: BLE001 - reported to the test as JSON
         out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    if arena is not None:
+        dst.clear()
+        torch.cuda.synchronize()
+        arena.close()
+    if args.dst_device != "cpu":
+        # Is this process's CUDA context still usable (a fault in a copy is sticky)?
+        try:
+            torch.cuda.synchronize(args.dst_device)
+            out["context_ok"] = float(torch.ones(4, device=args.dst_device).sum().item()) == 4.0
+        except Exception as exc:  # noqa: BLE001 - reported to the test as JSON
+            out["context_ok"] = False
+            out["context_error"] = str(exc)[:300]
     out["fds_after"] = fd_count()
     print(json.dumps(out), flush=True)
 
@@ -128,6 +159,9 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=16)
     p.add_argument("--ipc-dir", default="")
     p.add_argument("--token", default="")
+    p.add_argument("--kill-source", type=int, default=0, help="SIGKILL this pid after chunk 1")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 30)
+    p.add_argument("--dst-arena", action="store_true", help="destination in a VMM arena")
     args = p.parse_args()
     if args.role == "source":
         args.out = args.path

@@ -69,21 +69,14 @@ def test_gpu_pull_maps_the_source_memory_and_copies_every_byte(make_source, layo
 
 def test_gpu_arena_to_arena_merges_copies_across_chunks(make_source):
     """Source and target both load in a VMM arena: runs contiguous on both sides are
-    copied as one cuMemcpy across chunk boundaries."""
-    from modelexpress.vmm import maybe_enter_vmm_arena
+    copied as one cuMemcpy across chunk boundaries. The target runs in its own process
+    (it installs the arena allocator, which lives for the process) and checks that its
+    context is healthy after closing its arena."""
     src = make_source("vmm", mib=64)
-    endpoint, manifest = _parts(src)
-    with maybe_enter_vmm_arena(True, 0) as arena:
-        assert arena is not None
-        dst = _dst(manifest, "cuda:0")
-    try:
-        res = pull(endpoint, manifest, dst)
-        assert _equal(src, dst)
-        assert res.copies < len(manifest.tensors), res
-    finally:
-        del dst
-        torch.cuda.synchronize()
-        arena.close()
+    r = _run_target(src, "--dst-device", "cuda:0", "--dst-arena")
+    n = len(Manifest.from_json(src.info["manifest"]).tensors)
+    assert r["ok"] and r["equal"] and r["context_ok"], r
+    assert r["copies"] < n, r
 
 
 def test_gpu_host_source_to_device_and_device_source_to_host(make_source):
@@ -99,18 +92,32 @@ def test_gpu_host_source_to_device_and_device_source_to_host(make_source):
     assert res.segments == {"vmm_fd": res.segments["vmm_fd"]} and _equal(dev_src, dst)
 
 
+def _run_target(src, *extra: str) -> dict:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import PEERS, ROOT
+    p = subprocess.run([sys.executable, str(PEERS), "target", str(src.info_path),
+                        "--seed", str(src.seed), "--mib", str(src.mib), *extra],
+                       stdout=subprocess.PIPE, cwd=ROOT, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    print(r)
+    return r
+
+
 @pytest.mark.parametrize("layout", ["cuda", "vmm"])
 def test_gpu_source_killed_mid_copy_is_a_peer_error(make_source, layout):
+    """The target runs in its own process: a copy in flight when the source dies reads
+    memory the source owned, and a fault there would end this test process's context."""
     src = make_source(layout, mib=64)
-    endpoint, manifest = _parts(src)
-    my_fds = fd_count()
-
-    def progress(done: int, total: int) -> None:
-        if src.proc.poll() is None:
-            os.kill(src.pid, signal.SIGKILL)
-            src.proc.wait(20)
-
-    with pytest.raises(PeerError, match="went away"):
-        pull(endpoint, manifest, _dst(manifest, "cuda:0"), chunk_bytes=1 << 20,
-             progress=progress, deadline_s=60)
-    assert fd_count() == my_fds
+    r = _run_target(src, "--dst-device", "cuda:0", "--kill-source", str(src.pid),
+                    "--chunk-bytes", str(1 << 20))
+    assert r.get("killed") and not r["ok"] and "went away" in r["error"], r
+    if layout == "vmm":
+        # an imported VMM handle keeps the pages alive: copies in flight stay valid, and
+        # every received descriptor is closed (the driver's own first-use descriptors
+        # in a fresh process make the count of the IPC case not comparable)
+        assert r["context_ok"], r
+        assert r["fds_after"] == r["fds_before"], r
