@@ -24,7 +24,8 @@ GET      /metrics                              Prometheus
 =======  ====================================  ===========================================
 
 Errors are ``{"detail": "..."}`` with 401 (token), 404 (unknown id), 409 (illegal
-transition), 413 (too large), 422 (bad body or query), 503 (store unavailable).
+transition, or a manifest conflicting with a READY source: ``content.py``), 413 (too
+large), 422 (bad body or query), 503 (store unavailable).
 
 Threads: most routes are plain ``def``, which FastAPI runs in its thread pool, so a
 slow store call (a list over many records) never blocks the event loop; the stores
@@ -289,7 +290,8 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
     # --- sources -----------------------------------------------------------------
     @app.put("/v1/sources", response_model=SourceOut, tags=["sources"])
     def publish_source(body: SourcePublish) -> Any:
-        """Publish (or re-publish) the source of one worker rank; resets its state."""
+        """Publish (or re-publish) the source of one worker rank; resets its state. 409
+        when its manifest serves other weights than a READY source of the identity."""
         try:
             return cp.publish_source(body.identity.to_identity(), body.worker_id,
                                      endpoint=body.endpoint,
