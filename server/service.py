@@ -134,9 +134,12 @@ class ControlPlane:
                          manifest: dict[str, Any], fp: str) -> None:
         """Raise ConflictError when a READY source of ``identity`` (not ``source_id``)
         serves other content than ``manifest``."""
+        checked = {fp}  # one source per fingerprint is enough: equal hash, equal content
         for other in self.list_sources(identity_id=identity.id, state=_S.READY):
-            if other["id"] == source_id or other.get("fingerprint") == fp:
+            if other["id"] == source_id or other.get("fingerprint") in checked:
                 continue
+            if other.get("fingerprint"):
+                checked.add(other["fingerprint"])
             theirs = self.store.get("blobs", other["id"])
             if theirs is None:
                 continue  # deleted meanwhile
