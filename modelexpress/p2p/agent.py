@@ -22,7 +22,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from modelexpress._closing import Closeable
-from modelexpress.errors import ControlPlaneError, MxError, NotFoundError, TransferCancelledError
+from modelexpress.errors import (ControlPlaneError, MxError, NotFoundError,
+                                 TransferCancelledError, TransferError)
 from modelexpress.identity import ModelIdentity
 from modelexpress.p2p.source import SourceHandle, default_worker_id, serve_source
 from modelexpress.p2p.options import PullOptions
@@ -32,6 +33,7 @@ from modelexpress.p2p.tracking import TransferTracker, outcome_of
 if TYPE_CHECKING:
     from modelexpress.client import MxClient, TransferInfo
     from modelexpress.settings import MxSettings
+    from modelexpress.transfer import NixlTransferManager
 
 __all__ = ["Agent", "AgentOptions"]
 
@@ -107,6 +109,7 @@ class Agent(Closeable):
         self.served: list[SourceHandle] = []
         self.finished: dict[str, str] = {}  # transfer id -> final state
         self._closed = False
+        self._nixl: "NixlTransferManager | None" = None  # made by warm_up, reused by pulls
 
     def register(self) -> None:
         """(Re-)register with the control plane."""
@@ -120,7 +123,8 @@ class Agent(Closeable):
         UCX for the first time (its first NIXL agent costs several times a later one:
         docs/benchmarks.md, "Fixed cost of a small pull"). An agent is long-lived, so it
         pays them once here, before it registers, and not inside the first transfer an
-        operator starts.
+        operator starts. The NIXL agent made here reads every transfer (each one's
+        destination is deregistered when it ends).
 
         Raises:
             MxError: NIXL cannot start (the agent could not pull anyway).
@@ -133,9 +137,11 @@ class Agent(Closeable):
         device = torch.device(self.options.device)
         start = AgentStart(self.options.pull.backend, device if device.type == "cuda" else None)
         try:
-            start.get()
-        finally:
+            # Kept for every transfer: the next one pays no agent creation either.
+            self._nixl = start.get()
+        except BaseException:
             start.close()
+            raise
         seconds = time.perf_counter() - t0
         log.info("agent %s: torch and NIXL ready in %.3f s", self.agent_id, seconds)
         return seconds
@@ -183,6 +189,18 @@ class Agent(Closeable):
                 the next chunk and is reported FAILED (restartable), since only an
                 operator's stop makes a transfer STOPPED.
         """
+        try:
+            return self._execute(transfer, shutdown)
+        finally:
+            if self._nixl is not None:
+                # The agent's NIXL manager outlives the transfer; its destination does not.
+                try:
+                    self._nixl.deregister_all()
+                except TransferError as exc:
+                    log.warning("transfer %s: deregistering its destination failed: %s",
+                                transfer.id, exc)
+
+    def _execute(self, transfer: "TransferInfo", shutdown: threading.Event | None) -> str:
         opts = self.options
         tracker = TransferTracker(self.client, transfer.id,
                                   interval_s=opts.pull.progress_interval_s,
@@ -200,7 +218,8 @@ class Agent(Closeable):
                           options=opts.pull.replace(prefer=(transfer.source_id,),
                                                     exclude_workers=own, track=False),
                           stop=lambda: bool(shutdown and shutdown.is_set()),
-                          on_destination=holder.update, record=tracker, fetched=(info,))
+                          on_destination=holder.update, record=tracker, fetched=(info,),
+                          manager=self._nixl)
         except TransferCancelledError:
             if not tracker.stop_requested.is_set():  # our own shutdown, not an operator's stop
                 return self._finish(tracker, "FAILED", done=tracker.done,
@@ -257,10 +276,13 @@ class Agent(Closeable):
         self.served.append(handle)
 
     def close(self) -> None:
-        """Withdraw fan-out sources. Idempotent."""
+        """Withdraw fan-out sources, drop the NIXL agent. Idempotent."""
         if self._closed:
             return
         self._closed = True
         for handle in self.served:
             handle.close()
         self.served.clear()
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None

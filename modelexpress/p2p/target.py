@@ -317,8 +317,9 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         client: control-plane client.
         options: :class:`PullOptions` (``PullOptions.from_settings(settings)`` at an
             entry point); defaults when None.
-        manager: NIXL manager to read with (it is not closed); when None one is created
-            (overlapping the control-plane calls) and closed.
+        manager: NIXL manager to read with; the pull registers ``dest`` with it (what is
+            registered already is skipped) and leaves it open, registrations included.
+            When None, one is created (overlapping the control-plane calls) and closed.
         progress: ``progress(bytes_done, bytes_total)``, called from the READ loop.
         stop: ``threading.Event`` or callable; honoured between chunks.
         on_destination: called with the destination tensors before any byte moves.
@@ -401,9 +402,10 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         with clock.phase("agent_wait"):
             mgr = start.get() if start is not None else mgr
         assert mgr is not None
-        if start is not None and not start.registered:
+        if start is None or not start.registered:
             # Register once up front: striped READs run in parallel threads and must
-            # not race to register the same destination memory.
+            # not race to register the same destination memory. (A caller's manager
+            # skips what it registered already.)
             with clock.phase("register"):
                 mgr.register_tensors(dict(dest))
         puller = _Puller(manager=mgr, dest=dest, options=opts, deadline=deadline,

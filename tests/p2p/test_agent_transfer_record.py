@@ -36,15 +36,21 @@ def test_an_agent_transfer_fetches_its_source_once_and_records_the_outcome(
     client = _CountingClient(cluster.server.url, token=cluster.server.token, timeout_s=10.0)
     options = AgentOptions.from_settings(MxSettings(), serve_after_pull=False)
     with client, Agent(client, "in-process-agent", options) as agent:
+        agent.warm_up()  # as run() does: its NIXL agent then reads every transfer
         agent.register()
-        started = client.start_transfer(ModelIdentity(model=MODEL, dtype="float32"),
-                                        agent.agent_id)
-        claimed = cluster.wait_for(lambda: client.poll_assignments(agent.agent_id, wait_s=1.0),
-                                   "the transfer's assignment")
-        assert [t.id for t in claimed] == [started.id]
-        assert agent.execute(claimed[0]) == "SUCCEEDED"
-    assert client.fetched == [published["source_id"]]  # once, not once more by the pull
-    record = cluster.client.get_transfer(started.id)
+        ids = []
+        for _ in range(2):  # the second reads through the same NIXL agent
+            started = client.start_transfer(ModelIdentity(model=MODEL, dtype="float32"),
+                                            agent.agent_id)
+            claimed = cluster.wait_for(
+                lambda: client.poll_assignments(agent.agent_id, wait_s=1.0),
+                "the transfer's assignment")
+            assert [t.id for t in claimed] == [started.id]
+            assert agent.execute(claimed[0]) == "SUCCEEDED"
+            ids.append(started.id)
+    # once per transfer, not once more by the pull
+    assert client.fetched == [published["source_id"]] * 2
+    record = cluster.client.get_transfer(ids[-1])
     assert record.state == "SUCCEEDED" and record.bytes_done == record.bytes_total > 0
     assert record.outcome is not None
     assert record.outcome.transport == "cma"  # what UCX reported for same-host DRAM
