@@ -88,17 +88,18 @@ class Fleet:
         return MxClient(self.url, timeout_s=10.0)
 
     def publish(self, host: Host, *, checkpoint: pathlib.Path | None = None,
-                env: dict[str, str] | None = None) -> HostProcess:
-        """Start ``modelexpress publish`` of the checkpoint in ``host`` (not waited for)."""
+                model: str = MODEL, env: dict[str, str] | None = None) -> HostProcess:
+        """Start ``modelexpress publish`` of a checkpoint (default: all-MiniLM-L6-v2) in
+        ``host`` (not waited for)."""
         from modelexpress.checkpoint import real_model_checkpoint
         return host.run([MX, "publish", str(checkpoint or real_model_checkpoint()),
-                         "--model", MODEL, "--json", "--worker-id", f"src-{host.name}"],
+                         "--model", model, "--json", "--worker-id", f"src-{host.name}"],
                         "publish", self.env(**(env or {})))
 
-    def pull(self, host: Host, out: pathlib.Path, *, args: Sequence[str] = (),
-             env: dict[str, str] | None = None) -> HostProcess:
+    def pull(self, host: Host, out: pathlib.Path, *, model: str = MODEL,
+             args: Sequence[str] = (), env: dict[str, str] | None = None) -> HostProcess:
         """Start ``modelexpress pull --json`` into ``out`` in ``host`` (not waited for)."""
-        return host.run([MX, "pull", "--model", MODEL, "--out", str(out), "--json", *args],
+        return host.run([MX, "pull", "--model", model, "--out", str(out), "--json", *args],
                         "pull", self.env(**(env or {})))
 
     def agent(self, host: Host, agent_id: str, out: pathlib.Path, *, args: Sequence[str] = (),
@@ -117,13 +118,14 @@ class Fleet:
                                        f"{deadline_s} s")
                 time.sleep(0.2)
 
-    def wait_ready_sources(self, n: int, deadline_s: float = START_DEADLINE_S) -> list[Any]:
-        """Wait until ``n`` READY sources of the model are on the server."""
+    def wait_ready_sources(self, n: int, deadline_s: float = START_DEADLINE_S,
+                           model: str = MODEL) -> list[Any]:
+        """Wait until exactly ``n`` READY sources of ``model`` are on the server."""
         end = time.monotonic() + deadline_s
         with self.client() as c:
             while True:
-                ready = c.list_sources(model=MODEL, state="READY")
-                if len(ready) >= n:
+                ready = c.list_sources(model=model, state="READY")
+                if len(ready) == n:
                     return ready
                 if time.monotonic() > end:
                     raise TimeoutError(f"{len(ready)} of {n} sources READY after "

