@@ -120,8 +120,13 @@ class LocalSession(ClosedOnCollect):
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 raise PeerError(f"{self.peer} is not listening ({exc}); it exited or runs on "
                                 "another node") from exc
-            protocol.send(sock, {"op": "hello", "v": protocol.VERSION,
-                                 "source_id": endpoint.source_id, "token": endpoint.token})
+            try:
+                protocol.send(sock, {"op": "hello", "v": protocol.VERSION,
+                                     "source_id": endpoint.source_id, "token": endpoint.token})
+            except (BrokenPipeError, ConnectionResetError):
+                # A source that refuses at once (busy) may close before our hello; its
+                # refusal is still queued on the socket.
+                pass
             msg, fds = self._recv(sock)
             protocol.close_fds(fds)
             if msg.get("op") == "refused":

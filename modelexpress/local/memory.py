@@ -131,7 +131,10 @@ class HostBuffer(ClosedOnCollect):
                               f"HostBuffer of {self.nbytes} bytes")
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
-        flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=offset)
+        # ORDER: through a memoryview, which holds a buffer export on the mmap for as
+        # long as the tensor keeps it (torch.frombuffer keeps its argument, not an
+        # export): close() then cannot unmap pages a live view still uses.
+        flat = torch.frombuffer(memoryview(self._mm)[offset:offset + nbytes], dtype=torch.uint8)
         return flat.view(dtype).view(tuple(int(d) for d in shape))
 
     def close(self) -> None:

@@ -261,13 +261,27 @@ class LocalSource(ClosedOnCollect):
                     self._peers[conn.fileno()] = conn
                 self._threads = [t for t in self._threads if t.is_alive()]
             if busy:
-                self._refuse(conn, f"busy: {self.max_peers} peers already connected")
+                # On a thread: the refusal first reads the peer's hello (bounded), since
+                # closing a Unix socket with an unread message resets the peer, which
+                # then loses the refusal and sees only ECONNRESET.
+                threading.Thread(target=self._refuse_after_hello, daemon=True,
+                                 args=(conn, f"busy: {self.max_peers} peers already connected"),
+                                 name=f"mx-local-busy-{self.source_id}").start()
                 continue
             t = threading.Thread(target=self._serve_peer, args=(conn,), daemon=True,
                                  name=f"mx-local-peer-{self.source_id}")
             with self._lock:
                 self._threads.append(t)
             t.start()
+
+    def _refuse_after_hello(self, conn: socket.socket, reason: str) -> None:
+        try:
+            conn.settimeout(min(1.0, self.handshake_timeout_s))
+            _, fds = protocol.recv(conn, "peer")
+            protocol.close_fds(fds)
+        except (OSError, PeerError):
+            pass
+        self._refuse(conn, reason)
 
     def _refuse(self, conn: socket.socket, reason: str) -> None:
         with self._lock:
@@ -305,7 +319,7 @@ class LocalSource(ClosedOnCollect):
         except (OSError, PeerError, ValueError) as exc:
             with self._lock:
                 self.counters["failed"] += 1
-            log.warning("local source %s: peer %s: %s", self.source_id, peer, exc)
+            log.warning("local source %s: %s: %s", self.source_id, peer, exc)
         finally:
             with self._lock:
                 self._peers.pop(key, None)
