@@ -199,14 +199,14 @@ def run_case(args: argparse.Namespace, arena_mode: str, dst: str, tmp: str) -> d
         a = torch.empty(2 * GIB, dtype=torch.uint8, device=src_dev)
         b = torch.empty(2 * GIB, dtype=torch.uint8, device=dst)
         copy_one = 2 * GIB / _time_copy(lambda: b.copy_(a, non_blocking=True), [0, d], 5) / 1e9
-        del a, b
+        a = b = None  # free the 2 x 2 GiB before the pulls
         # The set copy goes between plain allocations: a peer copy into VMM memory that
         # only its own device may access (the target's arena) is refused by the runtime.
         here = _allocate(shapes, src_dev)
         there = _allocate(shapes, dst) if arena_mode == "on" else local
         copy_set = total / _time_copy(
             lambda: [there[k].copy_(here[k], non_blocking=True) for k in here], [0, d], 3) / 1e9
-        del here, there
+        here = there = None
         torch.cuda.empty_cache()
         pulls = []
         for _ in range(args.repeat):

@@ -214,7 +214,7 @@ class CudaMapping(ClosedOnCollect):
 
     def __init__(self, groups: Sequence[Sequence[tuple[Any, int]]], device: int) -> None:
         self._closed = True
-        self._drv = drv = _drv()
+        self._drv = _drv()
         self.device = device
         self._reserved: list[tuple[int, int]] = []
         self._mapped: list[tuple[int, int]] = []

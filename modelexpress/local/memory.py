@@ -27,7 +27,7 @@ import mmap
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import BackendError, ConfigError, PeerError

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from modelexpress.local import HostBuffer, LocalEndpoint, LocalSource, host_buffer_like, pull
+from modelexpress.local import LocalEndpoint, LocalSource, host_buffer_like, pull
 from modelexpress.local.client import fd_count
 from modelexpress.transfer.manifest import Manifest, build_manifest
 
@@ -117,10 +117,12 @@ def run_target(args: argparse.Namespace) -> None:
     if args.kill_source:
         import signal
 
-        def progress(done: int, total: int) -> None:  # kill the source after the first chunk
+        def kill_after_first(done: int, total: int) -> None:
             if not out.get("killed"):
                 os.kill(args.kill_source, signal.SIGKILL)
                 out["killed"] = True
+
+        progress = kill_after_first
     try:
         res = pull(endpoint, manifest, dst, deadline_s=60, progress=progress,
                    chunk_bytes=args.chunk_bytes)

@@ -6,13 +6,9 @@ process; bytes are compared with the seeded data, descriptors counted in both.
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import torch
 
-from modelexpress.errors import PeerError
 from modelexpress.local import LocalEndpoint, fd_count, pull
 from modelexpress.transfer.manifest import Manifest
 
