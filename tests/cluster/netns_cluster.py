@@ -4,8 +4,9 @@ Each :class:`Host` is what UCX and modelexpress would see on a separate machine:
 
 - its own network namespace, joined to one bridge per NIC by a veth pair; the end
   inside the host is renamed ``eth0``, ``eth1``, ... and gets its own IP; ``lo`` is up;
-- one PID, mount and UTS namespace per host, held by a small init started with the
-  host (``ip netns exec`` + ``unshare --pid --mount --uts --fork --mount-proc``); in
+- one PID, mount, UTS and IPC namespace per host, held by a small init started with
+  the host (``ip netns exec`` + ``unshare --pid --mount --uts --ipc --fork
+  --mount-proc``); in
   that mount namespace a file is bind-mounted over ``/proc/sys/kernel/random/boot_id``
   (the host's own boot id), ``/dev/shm`` is a private tmpfs, and the hostname is the
   host's name. Processes enter all of the host's namespaces with ``nsenter``, so two
@@ -14,7 +15,9 @@ Each :class:`Host` is what UCX and modelexpress would see on a separate machine:
   connect them) from the boot id, so across hosts UCX must go over the network;
 - its link can be shaped with ``tc``: a token bucket (``tbf``) caps each direction
   (egress on the NIC inside the host, ingress on the bridge-side end of the veth,
-  i.e. what the bridge sends into the host) and ``netem`` adds one-way latency.
+  i.e. what the bridge sends into the host) and ``netem`` adds one-way latency
+  (where the kernel has ``sch_netem``: the CPU machines' kernel lacks it, and
+  ``Host.shape(delay_ms=...)`` then fails saying so).
 
 Names. Every namespace, link and bridge is named ``mxn<pid:6 hex><n:1 hex>...``
 (``pid`` of the process that built it, ``n`` a per-process counter), which keeps
@@ -25,8 +28,8 @@ live owners (a parallel run) are left alone.
 Teardown (:meth:`NetnsCluster.close`, also on ``__exit__``, even after a failure):
 every process gets SIGTERM, then SIGKILL after a bounded wait (SIGKILL of a PID
 namespace's init kills everything in that namespace); then every namespace, veth and
-bridge is deleted. The bind mounts and tmpfs live in the processes' private mount
-namespaces and vanish with them.
+bridge is deleted. The bind mount and the tmpfs live in the host's mount namespace
+and vanish with its init.
 
 Processes. A command runs as a child of ``nsenter``; the harness signals the command
 itself (its pid in the root namespace). Processes that outlive their parent (a
