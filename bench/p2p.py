@@ -51,13 +51,36 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from modelexpress.client import MxClient
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _start_server(procs: list, work: pathlib.Path, port: int, env: dict[str, str],
+                  db: str) -> MxClient:
+    """Start the control-plane server (SQLite) into ``procs``; its client once it answers."""
+    from modelexpress._subproc import ModuleProcess
+    from modelexpress.client import MxClient
+    procs.append(ModuleProcess(["modelexpress.server", "--host", "127.0.0.1", "--port",
+                                str(port), "--store", f"sqlite:///{work / db}"],
+                               work / "server.log", env, cwd=ROOT))
+    client = MxClient(f"http://127.0.0.1:{port}", timeout_s=30.0)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            client.health()
+            return client
+        except Exception:  # noqa: BLE001 - still starting
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
 
 
 def _free_port() -> int:
@@ -130,7 +153,6 @@ def _small(runs: int, work: pathlib.Path) -> dict[str, Any]:
 
     from modelexpress._subproc import ModuleProcess, clean_env
     from modelexpress.checkpoint import real_model_checkpoint, time_disk_load
-    from modelexpress.client import MxClient
     from modelexpress.p2p import PullOptions, pull
 
     ckpt = real_model_checkpoint()
@@ -142,19 +164,7 @@ def _small(runs: int, work: pathlib.Path) -> dict[str, Any]:
     procs: list[ModuleProcess] = []
     out: dict[str, Any] = {"mode": "small", "model": model, "runs": runs}
     try:
-        procs.append(ModuleProcess(["modelexpress.server", "--host", "127.0.0.1", "--port",
-                                    str(port), "--store", f"sqlite:///{work / 'small.db'}"],
-                                   work / "server.log", env, cwd=ROOT))
-        client = MxClient(url, timeout_s=30.0)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.health()
-                break
-            except Exception:  # noqa: BLE001 - still starting
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
+        client = _start_server(procs, work, port, env, "small.db")
         procs.append(ModuleProcess(["modelexpress", "publish", str(ckpt), "--model", model,
                                     "--json", "--worker-id", "small-src"],
                                    work / "source.log", env, cwd=ROOT))
@@ -253,7 +263,6 @@ def main() -> None:
 
     from modelexpress.checkpoint import (LlamaShape, generate_llama_checkpoint,
                                          time_disk_load)
-    from modelexpress.client import MxClient
     from modelexpress.identity import ModelIdentity
     from modelexpress.p2p import PullOptions, allocate_like, manifest_of, pull
 
@@ -273,19 +282,7 @@ def main() -> None:
     model = f"bench/llama-3-8b-shaped-{layers}"
     out: dict[str, Any] = {"machine": "gpu" if args.gpu else "cpu", "layers": layers}
     try:
-        procs.append(ModuleProcess(["modelexpress.server", "--host", "127.0.0.1", "--port",
-                                    str(port), "--store", f"sqlite:///{work / 'bench.db'}"],
-                                   work / "server.log", env, cwd=ROOT))
-        client = MxClient(url, timeout_s=30.0)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.health()
-                break
-            except Exception:  # noqa: BLE001 - still starting
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
+        client = _start_server(procs, work, port, env, "bench.db")
         published = []
         for i in range(args.sources):
             device = "cuda:0" if args.gpu else "cpu"
