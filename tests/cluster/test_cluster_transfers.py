@@ -181,3 +181,22 @@ def test_a_finished_target_serves_the_next_host_after_the_first_source_left(
     assert result["transport"] == "tcp"
     _assert_same(tmp_path / "t2", reference)
 
+
+
+def test_ucx_net_devices_on_a_network_the_source_is_not_on_fails_at_once(
+        netns2: NetnsCluster, tmp_path: pathlib.Path) -> None:
+    server = netns2.add_host("server")
+    src, tgt = netns2.add_host("src", nics=1), netns2.add_host("tgt", nics=2)
+    fleet = Fleet(netns2, server)
+    (published,) = _sources(fleet, [src])
+    deadline_s = 60.0
+    pull = fleet.pull(tgt, tmp_path / "out", env={"UCX_NET_DEVICES": "eth1",
+                                                  "MX_TRANSFER_TIMEOUT_S": str(deadline_s)})
+    started = time.monotonic()
+    result = pull.json_line(_DEADLINE_S)
+    assert pull.wait(30) != 0
+    assert not result["ok"]
+    # UCX refuses the endpoint ("Destination is unreachable"): no wait for the deadline
+    assert time.monotonic() - started < deadline_s
+    assert published["source_id"] in result["error"] and "NIXL" in result["error"]
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
