@@ -88,12 +88,21 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale() -> list[str]:
-    """Delete namespaces and links left by dead owners; returns what was removed."""
+    """Delete namespaces and links left by dead owners; returns what was removed.
+
+    A stale namespace's processes (its host's init, which kept running because the
+    owner died without a teardown, and whatever ran in the host) are killed first.
+    """
     removed = []
     for line in _sh(["ip", "netns", "list"], check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         m = _NAME.match(name)
         if m and not _pid_alive(int(m.group(1), 16)):
+            for pid in _sh(["ip", "netns", "pids", name], check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             if _sh(["ip", "netns", "del", name], check=False).returncode == 0:
                 removed.append(name)
     links = _sh(["ip", "-o", "link", "show"], check=False).stdout.splitlines()

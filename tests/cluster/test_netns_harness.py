@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
+import time
 
 import pytest
 
@@ -111,8 +112,12 @@ def test_leftovers_of_a_dead_owner_are_swept_and_a_live_owners_kept(
         for prefix in (stale, alive):
             subprocess.run(["ip", "netns", "add", f"{prefix}h01"], check=True)
             subprocess.run(["ip", "link", "add", f"{prefix}b0", "type", "bridge"], check=True)
+        # a process left running in the stale host (its owner died without teardown)
+        orphan = subprocess.Popen(["ip", "netns", "exec", f"{stale}h01", "sleep", "600"])
+        time.sleep(0.2)
         removed = sweep_stale()
         assert sorted(removed) == sorted([f"{stale}h01", f"{stale}b0"])
+        assert orphan.wait(10) == -9
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert f"{alive}h01" in names and f"{stale}h01" not in names
     finally:
