@@ -32,6 +32,8 @@ __all__ = [
     "LlamaShape",
     "checkpoint_files",
     "load_checkpoint",
+    "load_checkpoint_shared",
+    "allocate_shared",
     "save_checkpoint",
     "check_output",
     "generate_llama_checkpoint",
@@ -110,8 +112,46 @@ def allocate_slab(specs: Iterable[tuple[str, tuple[int, ...], "torch.dtype"]],
             for name, shape, dtype, off, n in placed}
 
 
+def allocate_shared(specs: Iterable[tuple[str, tuple[int, ...], "torch.dtype"]]
+                    ) -> tuple[Any, dict[str, "torch.Tensor"]]:
+    """Like :func:`allocate_slab` on the CPU, but in one memfd-backed
+    :class:`~modelexpress.local.HostBuffer` that the local transport can share.
+
+    Returns:
+        The buffer (close it once nothing serves or reads these tensors) and
+        name -> tensor over it.
+    """
+    torch = require("torch", "allocating tensors")
+    from modelexpress.local import host_buffer_like
+
+    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape, dtype in specs}
+    return host_buffer_like(meta, align=SLAB_ALIGN, copy=False, name="mx-weights")
+
+
+def load_checkpoint_shared(path: str | os.PathLike[str]) -> tuple[Any, dict[str, "torch.Tensor"]]:
+    """Load a checkpoint into one memfd-backed host buffer (:func:`allocate_shared`).
+
+    Each tensor is read straight into the buffer (the one copy a contiguous load makes
+    anyway), so a publisher can serve same-host peers over the local transport at no
+    extra cost.
+
+    Returns:
+        The buffer and name -> tensor, in file order.
+
+    Raises:
+        As :func:`load_checkpoint`.
+    """
+    buf, into = allocate_shared(_checkpoint_specs(path))
+    try:
+        return buf, load_checkpoint(path, into=into)
+    except BaseException:
+        buf.close()
+        raise
+
+
 def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
-                    arena: Any = None, contiguous: bool = False) -> dict[str, "torch.Tensor"]:
+                    arena: Any = None, contiguous: bool = False,
+                    into: Mapping[str, "torch.Tensor"] | None = None) -> dict[str, "torch.Tensor"]:
     """Load every tensor of a checkpoint, in file order.
 
     Args:
@@ -123,6 +163,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
             ``use_arena`` by the caller instead, and this function allocates normally.
         contiguous: place every tensor in one allocation (:func:`allocate_slab`):
             one NIXL region, one IPC handle. Ignored when ``arena`` is given.
+        into: destination tensors by name, one per tensor of the checkpoint (e.g.
+            :func:`allocate_shared`'s); ``device``, ``arena`` and ``contiguous`` are then
+            unused.
 
     Returns:
         name -> tensor. Duplicate names across files are an error.
@@ -136,7 +179,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
     safe_open = require("safetensors", "loading checkpoints").safe_open
     out: dict[str, torch.Tensor] = {}
     slab: dict[str, torch.Tensor] = {}
-    if contiguous and arena is None:
+    if into is not None:
+        slab = dict(into)
+    elif contiguous and arena is None:
         slab = allocate_slab(_checkpoint_specs(path), device)
     seen: dict[str, pathlib.Path] = {}
     for file in checkpoint_files(path):
@@ -149,6 +194,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",
                 seen[name] = file
                 tensor = _read_tensor(handle, name, file)
                 if slab:
+                    if name not in slab:
+                        raise CheckpointError(f"tensor {name!r} of {file} has no destination "
+                                              "(the checkpoint changed while loading?)")
                     slab[name].copy_(tensor)
                     tensor = slab[name]
                 elif arena is not None and device == "cpu":

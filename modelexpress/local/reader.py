@@ -75,6 +75,21 @@ class LocalReader:
         self.chunk_bytes = chunk_bytes
         self.verify = verify
         self.connect_timeout_s = connect_timeout_s
+        self.copied = 0
+        self.listening = True
+
+    @property
+    def transport(self) -> str:
+        """``"local"``: what this reader moves bytes over."""
+        return TRANSPORT
+
+    def nixl_may_retry(self) -> bool:
+        """After a failed :meth:`read_into`: whether reading the same source over NIXL
+        is worth it. Yes when nothing was copied and the source still listened (it
+        refused, was busy, or its memory could not be mapped here); no when it is gone
+        or died mid-copy (its NIXL side went with it: the next source is the better bet).
+        """
+        return self.copied == 0 and self.listening
 
     def read_into(self, dest: Mapping[str, "torch.Tensor"], *, allow_partial: bool,
                   progress: Callable[[int, int], None], stop: Any,
@@ -86,10 +101,23 @@ class LocalReader:
         """
         from modelexpress.transfer import TransferResult
         from modelexpress.transfer.transport import TransportVerdict
+        from modelexpress.errors import PeerError
         t0 = time.perf_counter()
-        res = pull(self.endpoint, self.manifest, dest, verify=self.verify, stop=stop,
-                   deadline_s=deadline_s, progress=progress, chunk_bytes=self.chunk_bytes,
-                   connect_timeout_s=self.connect_timeout_s, allow_partial=allow_partial)
+        self.copied = 0
+
+        def counted(done: int, total: int) -> None:
+            self.copied = done
+            progress(done, total)
+
+        try:
+            res = pull(self.endpoint, self.manifest, dest, verify=self.verify, stop=stop,
+                       deadline_s=deadline_s, progress=counted, chunk_bytes=self.chunk_bytes,
+                       connect_timeout_s=self.connect_timeout_s, allow_partial=allow_partial)
+        except PeerError as exc:
+            # The socket is gone or refuses connections: the source process exited.
+            self.listening = not isinstance(exc.__cause__,
+                                            (FileNotFoundError, ConnectionRefusedError))
+            raise
         copy_s = res.phases.get("copy", 0.0)
         verdict = TransportVerdict(
             ok=True, expected=TRANSPORT, observed=(TRANSPORT,), gbps=res.gbps, floor_gbps=0.0,

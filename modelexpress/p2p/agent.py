@@ -31,7 +31,7 @@ from modelexpress.p2p.target import pull
 from modelexpress.p2p.tracking import TransferTracker, outcome_of
 
 if TYPE_CHECKING:
-    from modelexpress.client import MxClient, TransferInfo
+    from modelexpress.client import MxClient, SourceInfo, TransferInfo
     from modelexpress.settings import MxSettings
     from modelexpress.transfer import NixlTransferManager
 
@@ -110,6 +110,7 @@ class Agent(Closeable):
         self.finished: dict[str, str] = {}  # transfer id -> final state
         self._closed = False
         self._nixl: "NixlTransferManager | None" = None  # made by warm_up, reused by pulls
+        self._buffers: list[Any] = []  # memfd buffers of fan-out sources (local transport)
 
     def register(self) -> None:
         """(Re-)register with the control plane."""
@@ -208,33 +209,42 @@ class Agent(Closeable):
         log.info("agent %s: transfer %s of %s from source %s", self.agent_id, transfer.id,
                  transfer.identity_id, transfer.source_id)
         holder: dict[str, Any] = {}
+        shared = None
         try:
             # The assigned source's record carries the identity and the manifest; the
             # pull reuses it (fetched=) instead of fetching it again.
             info = self.client.get_source(transfer.source_id)
             identity = ModelIdentity.from_dict(info.identity)
             own = tuple(h.worker_id for h in self.served)
-            result = pull(identity, None, client=self.client,
+            shared, dest = self._shared_destination(info)
+            result = pull(identity, dest, client=self.client,
                           options=opts.pull.replace(prefer=(transfer.source_id,),
                                                     exclude_workers=own, track=False),
                           stop=lambda: bool(shutdown and shutdown.is_set()),
                           on_destination=holder.update, record=tracker, fetched=(info,),
                           manager=self._nixl)
         except TransferCancelledError:
+            _close(shared)
             if not tracker.stop_requested.is_set():  # our own shutdown, not an operator's stop
                 return self._finish(tracker, "FAILED", done=tracker.done,
                                     error="agent shut down mid-transfer; restart it")
             return self._finish(tracker, "STOPPED", done=tracker.done)
         except MxError as exc:
+            _close(shared)
             log.error("transfer %s failed: %s", transfer.id, exc)
             return self._finish(tracker, "FAILED", error=f"{type(exc).__name__}: {exc}",
                                 done=tracker.done)
+        except BaseException:
+            _close(shared)
+            raise
         dest = holder
         if tracker.stop_requested.is_set():  # the stop arrived with the last chunk: it wins
+            _close(shared)
             return self._finish(tracker, "STOPPED", done=result.bytes)
         out = self._write_out(transfer.id, dest)
         state = self._finish(tracker, "SUCCEEDED", done=result.bytes, outcome=outcome_of(result))
         if state != "SUCCEEDED":
+            _close(shared)
             if out is not None:
                 shutil.rmtree(out, ignore_errors=True)
             return state
@@ -242,8 +252,25 @@ class Agent(Closeable):
                  transfer.id, result.bytes, result.seconds, result.gbps, result.transport,
                  result.total_seconds)
         if opts.serve_after_pull:
-            self._serve(identity, dest)
+            self._serve(identity, dest, shared)
+        else:
+            _close(shared)
         return state
+
+    def _shared_destination(self, info: "SourceInfo") -> tuple[Any, dict[str, Any] | None]:
+        """A memfd-backed host destination when the pulled weights will be served onward
+        to peers on this host (the local transport); else (None, None): pull allocates."""
+        opts = self.options
+        if not (opts.serve_after_pull and opts.pull.local.enabled and opts.device == "cpu"):
+            return None, None
+        import torch
+
+        from modelexpress.checkpoint import allocate_shared
+        from modelexpress.p2p.target import manifest_of
+
+        manifest = manifest_of(info)
+        specs = [(e.name, tuple(e.shape), getattr(torch, e.dtype)) for e in manifest.tensors]
+        return allocate_shared(specs)
 
     def _write_out(self, transfer_id: str, dest: dict) -> pathlib.Path | None:
         if self.options.out_dir is None:
@@ -264,16 +291,21 @@ class Agent(Closeable):
         self.finished[tracker.id] = final
         return final
 
-    def _serve(self, identity: ModelIdentity, dest: dict) -> None:
+    def _serve(self, identity: ModelIdentity, dest: dict, shared: Any) -> None:
         try:
             handle = serve_source(identity, dest, client=self.client,
                                   worker_id=f"{self.agent_id}-fanout-{len(self.served)}",
                                   heartbeat_interval_s=self.options.heartbeat_interval_s,
-                                  guardian=True, backend=self.options.pull.backend)
+                                  guardian=True, backend=self.options.pull.backend,
+                                  local=self.options.pull.local,
+                                  host_buffers=(shared,) if shared is not None else ())
         except MxError as exc:
+            _close(shared)
             log.warning("could not serve the pulled weights onward: %s", exc)
             return
         self.served.append(handle)
+        if shared is not None:
+            self._buffers.append(shared)
 
     def close(self) -> None:
         """Withdraw fan-out sources, drop the NIXL agent. Idempotent."""
@@ -283,6 +315,14 @@ class Agent(Closeable):
         for handle in self.served:
             handle.close()
         self.served.clear()
+        for buf in self._buffers:  # after the sources that shared them
+            buf.close()
+        self._buffers.clear()
         if self._nixl is not None:
             self._nixl.close()
             self._nixl = None
+
+
+def _close(buf: Any) -> None:
+    if buf is not None:
+        buf.close()

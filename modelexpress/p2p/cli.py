@@ -110,17 +110,25 @@ def publish(
     A signal while loading ends it with 130/143; once serving, SIGTERM or Ctrl-C is
     its normal end (exit 0).
     """
-    from modelexpress.checkpoint import checkpoint_files, load_checkpoint
+    from modelexpress.checkpoint import checkpoint_files, load_checkpoint, load_checkpoint_shared
+    from modelexpress.local import LocalOptions
     from modelexpress.p2p.source import serve_source
 
     settings = _settings(server, as_json)
     checkpoint_files(checkpoint)  # a bad path fails before the heavy imports
     _check_device(device)
+    local = LocalOptions.from_settings(settings)
     arena = None
+    buffers = []
     with support.stop_on_signals() as stop, contextlib.ExitStack() as stack:
         log.info("loading checkpoint %s", checkpoint)
         t0 = time.perf_counter()
-        if settings.vmm_arena and device == "cpu":
+        if local.enabled and device == "cpu" and contiguous and not settings.vmm_arena:
+            # memfd-backed, so that peers on this host map it (the local transport)
+            buf, tensors = load_checkpoint_shared(checkpoint)
+            stack.callback(buf.close)  # after the source withdrew (reverse order)
+            buffers.append(buf)
+        elif settings.vmm_arena and device == "cpu":
             from modelexpress.vmm import HostVmmBackend, VmmArena
             arena = stack.enter_context(VmmArena(settings.vmm_arena_bytes, 0,
                                                  HostVmmBackend()))
@@ -146,14 +154,15 @@ def publish(
             identity, tensors, client=client, arena=arena, worker_id=worker_id,
             heartbeat_interval_s=settings.heartbeat_interval_s,
             single_region=settings.arena_single_mr, guardian=True,
-            backend=settings.nixl_backend))
+            backend=settings.nixl_backend, local=local, host_buffers=buffers))
         support.raise_if_interrupted(stop, f"publish of {checkpoint} stopped before it "
                                            "served; the source withdrew")
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         summary = {"ok": True, "source_id": handle.source_id, "worker_id": handle.worker_id,
                    "identity": identity.to_dict(), "tensors": len(tensors), "bytes": nbytes,
                    "load_seconds": round(load_s, 3),
-                   "registration": handle.registration.strategy}
+                   "registration": handle.registration.strategy,
+                   "local_transport": handle.local.path if handle.local is not None else None}
         typer.echo(json.dumps(summary) if as_json else
                    f"serving {model} ({len(tensors)} tensors, {nbytes / 1e9:.3f} GB) as source "
                    f"{handle.source_id}; loaded in {load_s:.2f} s; SIGTERM or Ctrl-C to stop")

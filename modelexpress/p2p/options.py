@@ -13,6 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from modelexpress.errors import ConfigError
+from modelexpress.local.options import LocalOptions
 from modelexpress.p2p.selection import POLICIES
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class PullOptions:
             ``pull-<host>-<pid>-<random>``).
         progress_interval_s: at most one progress report per this many seconds.
         backend: NIXL backend of an agent the pull creates (``MX_NIXL_BACKEND``).
+        local: the local transport (``MX_IPC_DIR``, ``MX_NODE_NAME``): sources on this
+            host that publish a local endpoint are read through it, without NIXL;
+            ``MX_IPC_DIR=off`` reads every source over NIXL.
 
     Raises:
         ConfigError: a value out of range; the message names the allowed ones.
@@ -70,6 +74,7 @@ class PullOptions:
     worker_id: str | None = None
     progress_interval_s: float = 0.5
     backend: str = "UCX"
+    local: LocalOptions = LocalOptions()
 
     def __post_init__(self) -> None:
         # Sequences given as lists stay hashable and immutable.
@@ -109,6 +114,7 @@ class PullOptions:
             "refuse_slow_transport": settings.refuse_slow_transport,
             "max_gbps": settings.transfer_max_gbps,
             "backend": settings.nixl_backend,
+            "local": LocalOptions.from_settings(settings),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

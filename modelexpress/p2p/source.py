@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import ControlPlaneError, MxError, NotFoundError
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from modelexpress.client import MxClient
     from modelexpress.identity import ModelIdentity
+    from modelexpress.local import HostBuffer, LocalOptions, LocalSource
     from modelexpress.transfer import NixlTransferManager, RegistrationInfo
 
 __all__ = ["SourceHandle", "serve_source", "default_worker_id"]
@@ -49,6 +50,7 @@ class SourceHandle(ClosedOnCollect):
         manager: the NIXL manager whose registered memory is served.
         registration: what registration did (strategy, regions, bytes, seconds).
         manifest_bytes: size of the published manifest.
+        local: the local transport's server for same-host peers, or None.
     """
 
     def __init__(self, *, client: "MxClient", identity: "ModelIdentity", source_id: str,
@@ -56,8 +58,9 @@ class SourceHandle(ClosedOnCollect):
                  registration: "RegistrationInfo", manifest_bytes: int,
                  heartbeat_interval_s: float, owns_manager: bool,
                  tensors: Mapping[str, "torch.Tensor"] | None = None,
-                 guardian: Any = None) -> None:
+                 guardian: Any = None, local: "LocalSource | None" = None) -> None:
         self.client = client
+        self.local = local
         self._guardian = guardian
         # Peers read this memory until close(): hold the tensors so it cannot be freed
         # and reused while published (the caller may drop its last reference, e.g. the
@@ -121,6 +124,9 @@ class SourceHandle(ClosedOnCollect):
             self._withdraw()
         if self._guardian is not None:
             self._guardian.close()
+        if self.local is not None:
+            # ORDER: after the withdrawal (no new target picks us), before the memory goes.
+            self.local.close()
         self._thread.join(timeout=self._interval + 5.0)
         if self._owns_manager:
             self.manager.close()
@@ -139,7 +145,9 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                  single_region: bool = False,
                  known_digests: Mapping[str, str] | None = None,
                  attributes: Mapping[str, Any] | None = None,
-                 guardian: bool = False, backend: str = "UCX") -> SourceHandle:
+                 guardian: bool = False, backend: str = "UCX",
+                 local: "LocalOptions | None" = None,
+                 host_buffers: Sequence["HostBuffer"] = ()) -> SourceHandle:
     """Register ``tensors`` with NIXL and publish them as a READY source.
 
     Args:
@@ -167,6 +175,15 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
             :mod:`modelexpress.p2p.guardian`).
         backend: the NIXL backend of the manager made when ``manager`` is None
             (``MX_NIXL_BACKEND``).
+        local: also serve the tensors to peers on this host over the local transport
+            (``LocalOptions.from_settings``; None or ``MX_IPC_DIR=off``: NIXL only). Its
+            endpoint is published in the manifest's attributes; peers on other hosts
+            still read over NIXL. Memory it cannot share (CPU tensors outside
+            ``host_buffers``, a CUDA allocation without IPC) leaves this source NIXL-only,
+            with a warning.
+        host_buffers: the memfd-backed buffers CPU ``tensors`` live in
+            (``checkpoint.load_checkpoint_shared``, ``local.host_buffer_like``); the
+            caller keeps them open until the handle is closed.
 
     Returns:
         A :class:`SourceHandle`; close it to withdraw.
@@ -179,8 +196,15 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
 
     owns = manager is None
     mgr = manager or NixlTransferManager(backend=backend)
+    local_source = None
     try:
         t0 = time.perf_counter()
+        if local is not None and local.enabled:
+            local_source = _serve_locally(local, tensors, arena, host_buffers)
+            if local_source is not None:
+                from modelexpress.local import publish_attributes
+
+                attributes = {**(attributes or {}), **publish_attributes(local_source)}
         if arena is not None:
             registration = mgr.register_arena(arena, tensors, force_single_region=single_region)
         else:
@@ -195,6 +219,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                                      agent_metadata=mgr.get_agent_metadata(),
                                      endpoint=endpoint or f"{socket.gethostname()}:{mgr.name}")
     except BaseException:
+        if local_source is not None:
+            local_source.close()
         if owns:
             mgr.close()
         raise
@@ -207,11 +233,40 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         except OSError as exc:
             log.warning("source %s: no guardian (%s); if this process is killed the source "
                         "stays READY until the server times it out", info.id, exc)
-    log.info("source %s serving %s: %d tensors, %d bytes, %d %s regions, published in %.3f s",
+    log.info("source %s serving %s: %d tensors, %d bytes, %d %s regions%s, published in %.3f s",
              info.id, identity.model, len(manifest.tensors), manifest.total_bytes,
-             registration.regions, registration.strategy, time.perf_counter() - t0)
+             registration.regions, registration.strategy,
+             f", local transport on {local_source.path}" if local_source is not None else "",
+             time.perf_counter() - t0)
     return SourceHandle(client=client, identity=identity, source_id=info.id, worker_id=wid,
                         manager=mgr, registration=registration,
                         manifest_bytes=len(manifest_json),
                         heartbeat_interval_s=heartbeat_interval_s, owns_manager=owns,
-                        tensors=tensors, guardian=guard)
+                        tensors=tensors, guardian=guard, local=local_source)
+
+
+def _serve_locally(local: "LocalOptions", tensors: Mapping[str, "torch.Tensor"], arena: Any,
+                   host_buffers: Sequence["HostBuffer"]) -> "LocalSource | None":
+    """A started :class:`~modelexpress.local.LocalSource` over ``tensors``, or None (logged)
+    when their memory cannot be shared: the source then serves over NIXL only."""
+    from modelexpress.local import LocalSource
+
+    try:
+        server = LocalSource(local.ipc_dir, host_id=local.host_id)
+    except MxError as exc:
+        log.warning("no local transport for this source: %s", exc)
+        return None
+    try:
+        for buf in host_buffers:
+            server.add_host_buffer(buf)
+        if arena is not None:
+            server.add_vmm_arena(arena)
+        server.add_tensors(tensors)
+        server.start()
+    except (MxError, ImportError) as exc:
+        # ImportError: CUDA memory without cuda-python (the extra that shares it).
+        server.close()
+        log.warning("no local transport for this source (peers on this host read it over "
+                    "NIXL): %s", exc)
+        return None
+    return server

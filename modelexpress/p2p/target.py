@@ -62,7 +62,8 @@ class PullResult:
         gbps: bytes / seconds / 1e9.
         transport: the transport(s) UCX reported for the READs (``cma``, ``tcp``,
             ``cuda_ipc``, ``rc_mlx5``...; several joined with ``,``), or ``unknown``;
-            never inferred (see ``TransferResult.transport``).
+            never inferred (see ``TransferResult.transport``); ``local`` for a source
+            on this host copied by :mod:`modelexpress.local`.
         expected_transport: the family the memory kinds and hosts call for.
         transport_detail: where ``transport`` was read, or why it is unknown.
         descriptors: NIXL descriptors posted (after coalescing).
@@ -200,22 +201,87 @@ def _stripes(manifest: "Manifest", names: Sequence[str], n: int) -> list[list[st
     return [s for s in out if s]
 
 
+class _Nixl:
+    """The pull's NIXL side, made only when a source is read over NIXL.
+
+    A pull whose sources are all on this host (the local transport) never creates a
+    NIXL agent nor registers its destination: both cost more than a small local copy
+    (docs/benchmarks.md, "Local transport"). When NIXL is known to be needed early,
+    :meth:`start` creates the agent in a thread (overlapping imports and the control
+    plane); otherwise :meth:`get` creates it on first use.
+    """
+
+    def __init__(self, manager: "NixlTransferManager | None", opts: PullOptions,
+                 clock: "_Clock") -> None:
+        self.manager = manager
+        self.opts = opts
+        self.clock = clock
+        self.start_: "AgentStart | None" = None
+        self.registered = False
+        self.used = False
+        self._lock = threading.Lock()
+
+    def start(self, dest: Mapping[str, "torch.Tensor"] | None) -> None:
+        """Begin creating the agent (registering ``dest`` if known) in a thread."""
+        if self.manager is None and self.start_ is None:
+            self.start_ = _start_agent(self.opts, dest)
+
+    def get(self, dest: Mapping[str, "torch.Tensor"]) -> "NixlTransferManager":
+        """The manager, with ``dest`` registered (once: striped READs run in parallel
+        threads and must not race to register the same memory)."""
+        with self._lock:
+            self.used = True
+            if self.manager is None or self.start_ is not None:
+                self.start(dest)
+                assert self.start_ is not None
+                with self.clock.phase("agent_wait"):
+                    self.manager = self.start_.get()
+                self.registered = self.registered or self.start_.registered
+            if not self.registered:
+                # (A caller's manager skips what it registered already.)
+                with self.clock.phase("register"):
+                    self.manager.register_tensors(dict(dest))
+                self.registered = True
+            return self.manager
+
+    @property
+    def seconds(self) -> float:
+        return self.start_.seconds if self.start_ is not None else 0.0
+
+    def close(self) -> None:
+        """Drop an agent this pull created (disconnect, deregister). Idempotent."""
+        if self.start_ is not None:
+            with self.clock.phase("close"):
+                self.start_.close()
+            self.start_ = None
+            self.manager = None
+
+
+def _compose(first: "ReaderFactory | None", second: "ReaderFactory | None"
+             ) -> "ReaderFactory | None":
+    """A factory asking ``first`` (the caller's), then ``second`` (the local transport)."""
+    if first is None or second is None:
+        return first or second
+    return lambda info, manifest: first(info, manifest) or second(info, manifest)
+
+
 class _Puller:
     """One pull: the destination, the reader of each source, progress, the rate cap."""
 
-    def __init__(self, *, manager: "NixlTransferManager", dest: Mapping[str, "torch.Tensor"],
+    def __init__(self, *, nixl: _Nixl, dest: Mapping[str, "torch.Tensor"],
                  options: PullOptions, deadline: _Deadline, progress: ProgressFn | None,
                  stop: "StopSignal", tracker: TransferTracker | None,
-                 readers: "ReaderFactory | None") -> None:
-        self.manager = manager
+                 chosen: Mapping[str, "SourceReader | None"]) -> None:
+        self.nixl = nixl
         self.dest = dest
         self.options = options
         self.deadline = deadline
         self.progress = progress
         self.stop = stop
         self.tracker = tracker
-        self.readers = readers
+        self.chosen = chosen
         self.skipped: list[SkippedSource] = []
+        self.warnings: list[str] = []
         self.peer_seconds = 0.0
         self.total = 0
         self._done: dict[str, int] = {}
@@ -233,19 +299,21 @@ class _Puller:
             self.tracker.report(min(total_done, self.total), self.total)
         self.rate.wait(total_done)
 
-    def reader_for(self, info: "SourceInfo", manifest: "Manifest") -> "SourceReader":
-        """The caller's reader for this source if it offers one, else a NIXL READ."""
+    def reader_for(self, info: "SourceInfo", manifest: "Manifest",
+                   nixl: bool = False) -> "SourceReader":
+        """The reader chosen for this source (the caller's, the local transport's), else
+        (or with ``nixl``) a NIXL READ."""
         from modelexpress.p2p.readers import NixlReader
 
-        chosen = self.readers(info, manifest) if self.readers is not None else None
-        return chosen or NixlReader(self.manager, info, manifest,
+        chosen = None if nixl else self.chosen.get(info.id)
+        return chosen or NixlReader(self.nixl.get(self.dest), info, manifest,
                                     chunk_bytes=self.options.chunk_bytes,
                                     verify=self.options.verify,
                                     refuse_slow_transport=self.options.refuse_slow_transport)
 
     def read_from(self, info: "SourceInfo", manifest: "Manifest",
                   dest: Mapping[str, "torch.Tensor"], key: str,
-                  allow_partial: bool) -> "TransferResult":
+                  allow_partial: bool, reader: "SourceReader | None" = None) -> "TransferResult":
         """READ ``dest`` from one source; returns the data plane's TransferResult."""
         if self.rate.started is None and self.tracker is not None:
             self.tracker.begin()
@@ -253,7 +321,7 @@ class _Puller:
         if self.tracker is not None:
             self.tracker.reading = info.id
         try:
-            result = self.reader_for(info, manifest).read_into(
+            result = (reader or self.reader_for(info, manifest)).read_into(
                 dest, allow_partial=allow_partial,
                 progress=lambda done, _total: self._report(key, done), stop=self.stop,
                 deadline_s=self.deadline.left(f"before reading from source {info.id}"))
@@ -319,7 +387,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             entry point); defaults when None.
         manager: NIXL manager to read with; the pull registers ``dest`` with it (what is
             registered already is skipped) and leaves it open, registrations included.
-            When None, one is created (overlapping the control-plane calls) and closed.
+            When None, one is created when a source is read over NIXL (overlapping the
+            imports and, with the local transport off, the control-plane calls) and closed.
         progress: ``progress(bytes_done, bytes_total)``, called from the READ loop.
         stop: ``threading.Event`` or callable; honoured between chunks.
         on_destination: called with the destination tensors before any byte moves.
@@ -328,8 +397,11 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             ``options.track`` makes the pull create, report on and finish its own.
         fetched: sources the caller already fetched with ``get_source``; their
             manifests are not fetched again.
-        readers: picks the reader of a source (None from it: NIXL); see
-            :mod:`~modelexpress.p2p.readers`.
+        readers: picks the reader of a source (None from it: the local transport for a
+            source on this host that publishes a local endpoint, unless
+            ``options.local`` is off; otherwise NIXL); see :mod:`~modelexpress.p2p.readers`.
+            No NIXL agent is created (nor ``dest`` registered with ``manager``) unless
+            a source is read over NIXL.
 
     Returns:
         A :class:`PullResult`.
@@ -344,15 +416,17 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
     opts = options if options is not None else PullOptions()
     clock = _Clock()
     deadline = _Deadline(opts.timeout_s)
-    # The NIXL agent starts now, in a thread, while this one talks to the control plane
-    # and imports torch. A GPU destination's CUDA context must exist before UCX starts:
-    # with no destination yet, the agent waits until torch is imported and the device known.
-    start: "AgentStart | None" = None
-    if manager is None and (dest is not None or opts.device == "cpu"):
-        start = _start_agent(opts, dest)
+    nixl = _Nixl(manager, opts, clock)
+    factory = _compose(readers, _local_factory(opts))
+    # Without the local transport every source is read over NIXL: the agent starts now,
+    # in a thread, while this one talks to the control plane and imports torch. A GPU
+    # destination's CUDA context must exist before UCX starts: with no destination yet,
+    # the agent waits until torch is imported and the device known. With it, the agent
+    # waits until the manifests say whether a source it will read needs NIXL.
+    if not opts.local.enabled and (dest is not None or opts.device == "cpu"):
+        nixl.start(dest)
     tracker = record
     own_record: TransferTracker | None = None
-    mgr: "NixlTransferManager | None" = manager
     try:
         with clock.phase("control_plane"):
             candidate_ids, own_record = _candidates(client, identity, opts, record is not None)
@@ -371,11 +445,19 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             sources = _fetch_sources(client, by_preference, opts, fetched, skipped)
         if not sources:
             raise NoSourceError(_no_source_message(identity, skipped))
+        # The reader of each source: the caller's, the local transport's (same host), or
+        # None for NIXL. The NIXL agent is started only when a source read first needs it.
+        chosen = {info.id: factory(info, manifest) if factory is not None else None
+                  for info, manifest in sources}
+        first = sources[:opts.stripe] if opts.stripe > 1 else sources[:1]
+        needs_nixl = any(chosen[info.id] is None for info, _ in first)
+        if needs_nixl and (dest is not None or opts.device == "cpu"):
+            nixl.start(dest)
         with clock.phase("imports"):
             import torch  # noqa: F401 - a fresh process pays this here, on the critical path
             from modelexpress.transfer.planner import plan_read
-        if start is None and manager is None:
-            start = _start_agent(opts, None)
+        if needs_nixl:
+            nixl.start(dest)
         if dest is None:
             with clock.phase("allocate"):
                 dest = allocate_like(sources[0][1], opts.device)
@@ -399,17 +481,10 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             raise mismatch
         if tracker is not None:
             tracker.report(0, total, force=True)  # PENDING -> RUNNING, with the total
-        with clock.phase("agent_wait"):
-            mgr = start.get() if start is not None else mgr
-        assert mgr is not None
-        if start is None or not start.registered:
-            # Register once up front: striped READs run in parallel threads and must
-            # not race to register the same destination memory. (A caller's manager
-            # skips what it registered already.)
-            with clock.phase("register"):
-                mgr.register_tensors(dict(dest))
-        puller = _Puller(manager=mgr, dest=dest, options=opts, deadline=deadline,
-                         progress=progress, stop=stop_signal, tracker=tracker, readers=readers)
+        if any(chosen[info.id] is None for info, _ in usable[:max(opts.stripe, 1)]):
+            nixl.get(dest)  # register up front, before striped READs start in parallel
+        puller = _Puller(nixl=nixl, dest=dest, options=opts, deadline=deadline,
+                         progress=progress, stop=stop_signal, tracker=tracker, chosen=chosen)
         puller.skipped = skipped
         puller.total = total
         if opts.stripe > 1 and len(usable) > 1:
@@ -417,11 +492,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         else:
             results = _pull_sequential(puller, usable[:opts.max_attempts], dest,
                                        opts.allow_partial, identity)
-        agent_s = start.seconds if start is not None else 0.0
-        if start is not None:
-            with clock.phase("close"):
-                start.close()  # disconnect, deregister, drop the agent: part of this pull
-            start = None
+        agent_s = nixl.seconds
+        nixl.close()  # disconnect, deregister, drop the agent: part of this pull
         out = _result(results, puller, sources, clock, tracker, agent_s)
         with clock.phase("control_plane"):
             if tracker is not None:
@@ -446,8 +518,16 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
                               done=own_record.done)
         raise
     finally:
-        if start is not None:
-            start.close()
+        nixl.close()
+
+
+def _local_factory(opts: PullOptions) -> "ReaderFactory | None":
+    """The local transport's reader factory, or None when ``MX_IPC_DIR=off``."""
+    if not opts.local.enabled:
+        return None
+    from modelexpress.local.reader import local_reader_factory
+
+    return local_reader_factory(opts.local, chunk_bytes=opts.chunk_bytes, verify=opts.verify)
 
 
 def _start_agent(opts: PullOptions, dest: Mapping[str, "torch.Tensor"] | None) -> "AgentStart":
@@ -536,7 +616,7 @@ def _result(results: list, puller: _Puller, sources: list, clock: _Clock,  # noq
         descriptors=sum(r.descriptors for _, r in results),
         tensors=sum(r.tensors for _, r in results),
         verified=all(r.verified for _, r in results), skipped=tuple(puller.skipped),
-        warnings=tuple(w for _, r in results for w in r.warnings),
+        warnings=tuple(puller.warnings) + tuple(w for _, r in results for w in r.warnings),
         total_seconds=clock.total(),
         verify_seconds=sum(r.verify_seconds for _, r in results),
         connect_seconds=max(r.connect_seconds for _, r in results),
@@ -571,21 +651,39 @@ _RETRYABLE = (TransferError,)
 
 
 def _pull_sequential(puller: _Puller, fetched, dest, allow_partial, identity):  # noqa: ANN001,ANN202
+    """Try the sources in order until one delivers.
+
+    A source read over the local transport that failed before copying anything while
+    it still listened (it refused, was busy, or its memory cannot be mapped here) is
+    read again over NIXL when it published agent metadata; one that is gone or died
+    mid-copy is skipped for the next source.
+    """
     for info, manifest in fetched:
-        try:
-            result = puller.read_from(info, manifest, dest, "all", allow_partial)
-        except (TransferCancelledError, ManifestMismatchError):
-            raise
-        except TransferTimeoutError:
-            puller.deadline.left(f"after trying source {info.id}")  # whole deadline gone?
-            puller.skip(info, "timed out")
-            continue
-        except _RETRYABLE as exc:
-            puller.skip(info, f"{type(exc).__name__}: {exc}")
-            continue
-        if _stopped(puller.stop):
-            raise TransferCancelledError("pull stopped")
-        return [(info, result)]
+        reader = None
+        for over_nixl in (False, True):
+            try:
+                reader = puller.reader_for(info, manifest, nixl=over_nixl)
+                result = puller.read_from(info, manifest, dest, "all", allow_partial, reader)
+            except (TransferCancelledError, ManifestMismatchError):
+                raise
+            except TransferTimeoutError:
+                puller.deadline.left(f"after trying source {info.id}")  # whole deadline gone?
+                puller.skip(info, "timed out")
+                break
+            except _RETRYABLE as exc:
+                retry = getattr(reader, "nixl_may_retry", None)
+                if (not over_nixl and retry is not None and retry()
+                        and info.agent_metadata is not None):
+                    note = (f"source {info.id}: the local transport failed before copying "
+                            f"({type(exc).__name__}: {exc}); reading it over NIXL")
+                    log.warning("%s", note)
+                    puller.warnings.append(note)
+                    continue
+                puller.skip(info, f"{type(exc).__name__}: {exc}")
+                break
+            if _stopped(puller.stop):
+                raise TransferCancelledError("pull stopped")
+            return [(info, result)]
     raise NoSourceError(_no_source_message(identity, puller.skipped))
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Iterator
 
@@ -42,9 +44,15 @@ class Cluster:
         self.procs: list[CliProc] = []
         self.client = MxClient(server.url, token=server.token, timeout_s=10.0)
         self._n = 0
+        # The sources' local-transport sockets: a short path (a Unix socket's is at most
+        # 107 bytes; pytest's tmp_path can be longer), removed with the cluster.
+        self.ipc_dir = tempfile.mkdtemp(prefix="mx-ipc-")
 
     def _env(self) -> dict[str, str]:
-        return {"MX_SERVER_TOKEN": self.server.token} if self.server.token else {}
+        env = {"MX_IPC_DIR": self.ipc_dir}
+        if self.server.token:
+            env["MX_SERVER_TOKEN"] = self.server.token
+        return env
 
     def start(self, args: list[str], name: str, env: dict[str, str] | None = None) -> CliProc:
         self._n += 1
@@ -73,6 +81,7 @@ class Cluster:
         for proc in self.procs:
             proc.stop()
         self.client.close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def _fresh_cluster(tmp_path: pathlib.Path, stale_after_s: float) -> Iterator[Cluster]:
