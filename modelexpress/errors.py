@@ -36,7 +36,8 @@ callers catch our names only.
     │   └── OutputExistsError              the output exists; no --overwrite
     ├── ShmArenaError                      shared-memory tensor arena (modelexpress.shm_arena)
     │   └── ShmSpaceError                  /dev/shm too small; says how much is free and needed
-    └── NoSourceError                      no READY source could serve a pull
+    ├── NoSourceError                      no READY source could serve a pull
+    └── WeightUpdateError                  an RL weight update failed; the engine kept its weights
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ __all__ = [
     "ShmArenaError",
     "ShmSpaceError",
     "NoSourceError",
+    "WeightUpdateError",
 ]
 
 
@@ -204,3 +206,8 @@ class ShmSpaceError(ShmArenaError):
 
 class NoSourceError(MxError):
     """No READY source could serve a pull; the message lists why each was skipped."""
+
+
+class WeightUpdateError(MxError):
+    """An RL weight update (``mx`` weight-transfer backend) failed; the engines named in the
+    message kept their previous weights."""

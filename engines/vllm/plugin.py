@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 
-__all__ = ["register"]
+__all__ = ["register", "register_weight_transfer"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,9 @@ def register() -> None:
     * always: ``--load-format mx`` selects
       :class:`~modelexpress.engines.vllm.loader.MxModelLoader` (as does vLLM's own
       ``--load-format modelexpress``).
+    * always: the weight-transfer backend ``mx`` (``--weight-transfer-config
+      '{"backend": "mx"}'``; trainer side ``MxTrainerInitInfo``), see
+      :func:`register_weight_transfer`.
     * ``MX_SHM_TENSOR_ARENA=1``: every ``MessageQueue`` created afterwards routes
       large CPU tensors through the modelexpress shm tensor arena.
 
@@ -47,6 +50,9 @@ def register() -> None:
         from modelexpress.engines.vllm.loader import register_load_format
         register_load_format("mx")
 
+        # --- weight-transfer backend `mx` (RL weight sync) ----------------------
+        register_weight_transfer()
+
         # --- shm tensor arena --------------------------------------------------
         if settings.shm_tensor_arena:
             from modelexpress.engines.vllm.shm import install_shm_tensor_arena
@@ -58,6 +64,29 @@ def register() -> None:
             )
         _registered = True
     log.debug("modelexpress vLLM plugin registered (shm tensor arena: %s)", settings.shm_tensor_arena)
+
+
+def register_weight_transfer() -> None:
+    """Register ``mx`` with vLLM's weight-transfer factories (engine and trainer side).
+
+    Lazily, by module path, as vLLM registers its own backends: neither module is
+    imported until a config selects ``mx``. A name already taken (a second call, or
+    another plugin that claimed ``mx``) is left as it is.
+    """
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, module, cls in (
+            (WeightTransferEngineFactory, "modelexpress.engines.vllm.weight_transfer",
+             "MxWeightTransferEngine"),
+            (WeightTransferTrainerFactory, "modelexpress.rl.trainer",
+             "MxTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine("mx", module, cls)
+        except ValueError:  # the name is taken; vLLM's registries have no lookup to ask first
+            log.debug("%s already has a backend named mx; left as it is", factory.__name__)
 
 
 def _configure_logging(level: str) -> None:
