@@ -51,7 +51,8 @@ import time
 import uuid
 from typing import Any, Sequence
 
-__all__ = ["NetnsCluster", "Host", "HostProcess", "Nic", "sweep_stale", "netns_available"]
+__all__ = ["NetnsCluster", "Host", "HostProcess", "Nic", "sweep_stale", "netns_available",
+           "require_netns"]
 
 PREFIX = "mxn"
 _NAME = re.compile(rf"^{PREFIX}([0-9a-f]{{6}})")
@@ -75,6 +76,19 @@ def netns_available() -> str | None:
         if subprocess.run(["which", tool], capture_output=True).returncode != 0:
             return f"{tool} is not installed"
     return None
+
+
+def require_netns() -> None:
+    """In a test: skip (or, with ``MX_REQUIRE_DEPS=1`` as CI sets, fail) saying why
+    this machine cannot build a cluster."""
+    import pytest
+
+    reason = netns_available()
+    if reason is None:
+        return
+    if os.environ.get("MX_REQUIRE_DEPS") == "1":
+        pytest.fail(f"MX_REQUIRE_DEPS=1 but the cluster harness {reason}", pytrace=False)
+    pytest.skip(f"the cluster harness {reason}")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from conftest import _require_netns
-from netns_cluster import PREFIX
+from netns_cluster import PREFIX, require_netns
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -22,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
 def test_cluster_bench_quick_reports_striping_and_fanout_and_leaves_nothing(
         tmp_path: pathlib.Path) -> None:
-    _require_netns()
+    require_netns()
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "cluster.py"), "--quick",
                              "--workdir", str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from netns_cluster import PREFIX, NetnsCluster, sweep_stale
+from netns_cluster import PREFIX, NetnsCluster, require_netns, sweep_stale
 
 # A listener that counts bytes, and a sender of 4 MiB, both plain Python.
 _LISTEN = ("import socket;s=socket.socket();s.bind(('0.0.0.0',5000));s.listen();"
@@ -86,8 +86,7 @@ def test_a_link_set_down_cuts_the_host_off(netns: NetnsCluster) -> None:
 
 
 def test_teardown_removes_everything_even_after_a_failure(tmp_path: pathlib.Path) -> None:
-    from conftest import _require_netns
-    _require_netns()
+    require_netns()
     with pytest.raises(RuntimeError, match="the test failed"):
         with NetnsCluster(tmp_path, bridges=2) as cluster:
             host = cluster.add_host("h", nics=2)
@@ -101,8 +100,7 @@ def test_teardown_removes_everything_even_after_a_failure(tmp_path: pathlib.Path
 
 def test_leftovers_of_a_dead_owner_are_swept_and_a_live_owners_kept(
         tmp_path: pathlib.Path) -> None:
-    from conftest import _require_netns
-    _require_netns()
+    require_netns()
     dead = subprocess.Popen(["true"])
     dead.wait(10)
     live = subprocess.Popen(["sleep", "600"])
