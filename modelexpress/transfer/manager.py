@@ -447,7 +447,8 @@ class NixlTransferManager(ClosedOnCollect):
              progress: ProgressCallback | None = None, stop: StopSignal | None = None,
              verify: bool = True, refuse_slow_transport: bool = False,
              on_tensor_done: Callable[[str], None] | None = None,
-             probe_bytes: int = 64 << 20, max_inflight: int = 2) -> TransferResult:
+             probe_bytes: int = 64 << 20, max_inflight: int = 2,
+             stall_s: float | None = None) -> TransferResult:
         """READ the manifest's tensors from ``peer`` into ``local``.
 
         Validation (names, dtypes, shapes, sizes) happens before any byte moves.
@@ -473,6 +474,10 @@ class NixlTransferManager(ClosedOnCollect):
             on_tensor_done: called with each tensor's name once received and verified.
             probe_bytes: size of the first chunk whose rate is checked early.
             max_inflight: requests in flight at once.
+            stall_s: give up on the peer (PeerError) when no chunk has landed for this
+                long while one is in flight (``MX_TRANSFER_STALL_S``): a cut link or a
+                hung peer is left for the next source instead of holding the pull
+                until ``deadline_s``. None: only the deadline bounds a READ.
 
         Returns:
             A :class:`TransferResult`.
@@ -481,15 +486,16 @@ class NixlTransferManager(ClosedOnCollect):
             ManifestMismatchError: before any byte moves.
             ConfigError: bad arguments, or a digest algorithm that cannot run where a
                 destination tensor lives.
-            PeerError: the peer is unknown, vanished or failed mid-transfer.
+            PeerError: the peer is unknown, vanished, failed mid-transfer or stalled
+                for ``stall_s``.
             TransferTimeoutError: ``deadline_s`` ran out.
             TransferCancelledError: ``stop`` was set (in-flight chunks were drained).
             IntegrityError: a digest differed; the message names the tensor(s).
             TransportError: a fallback was detected and ``refuse_slow_transport``.
         """
-        if max_inflight < 1 or deadline_s <= 0:
-            raise ConfigError(f"max_inflight must be >= 1 and deadline_s > 0 "
-                              f"(got {max_inflight}, {deadline_s})")
+        if max_inflight < 1 or deadline_s <= 0 or (stall_s is not None and stall_s <= 0):
+            raise ConfigError(f"max_inflight must be >= 1, deadline_s > 0 and stall_s > 0 or "
+                              f"None (got {max_inflight}, {deadline_s}, {stall_s})")
         peer = peer or manifest.agent_name
         if peer not in self._peers:
             raise PeerError(f"peer {peer!r} is not known to agent {self.name}; call "
@@ -521,7 +527,7 @@ class NixlTransferManager(ClosedOnCollect):
                               on_tensor_done, max_inflight, expected, refuse_slow_transport,
                               probe_bytes, watch,
                               done_notification=f"mx-read-done {self.name} {plan.total_bytes}"
-                              .encode())
+                              .encode(), stall_s=stall_s)
             seconds, verify_s, probe_verdict = runner.run()
         facts = watch.facts()
         total = plan.total_bytes

@@ -65,13 +65,14 @@ class ReadLoop:
                  progress: ProgressCallback | None, stop: StopSignal | None,
                  on_tensor_done: Callable[[str], None] | None, max_inflight: int,
                  expected: str, refuse: bool, probe_bytes: int, watch: "ReadWatch",
-                 done_notification: bytes = b"") -> None:
+                 done_notification: bytes = b"", stall_s: float | None = None) -> None:
         self.agent, self.plan, self.local = agent, plan, local
         self.done_notification = done_notification
         self.peer, self.algo, self.deadline_s = peer, algo, deadline_s
         self.progress, self.stop, self.on_tensor_done = progress, stop, on_tensor_done
         self.max_inflight, self.expected, self.refuse = max_inflight, expected, refuse
         self.probe_bytes = probe_bytes
+        self.stall_s = stall_s  # no chunk landing for this long: the peer is given up
         self.watch = watch  # which transport UCX's report shows for this READ
         self.verify_s = 0.0
         self.connect_s = 0.0
@@ -103,13 +104,16 @@ class ReadLoop:
                 self.on_tensor_done(pair.name)
 
     def _wait(self, req: Any, nbytes: int, deadline: float, what: str,
-              timeout_message: Callable[[], str]) -> str:
+              timeout_message: Callable[[], str], since: float | None = None) -> str:
         """Poll a posted request until it leaves PROC; returns DONE or ERR.
 
         Spins for the first polls (a chunk lands in milliseconds), then sleeps between
         them; logs every 10 s while waiting; raises TransferTimeoutError with
-        ``timeout_message()`` once ``deadline`` (monotonic) has passed."""
+        ``timeout_message()`` once ``deadline`` (monotonic) has passed, and PeerError
+        once ``stall_s`` has passed since ``since`` (monotonic: the last time a byte
+        landed) with nothing landing."""
         polls = 0
+        stall_at = (since + self.stall_s) if (self.stall_s and since is not None) else None
         while True:
             state = self.agent.state(req, self.peer, nbytes)
             if state != "PROC":
@@ -117,6 +121,11 @@ class ReadLoop:
             now = time.monotonic()
             if now > deadline:
                 raise TransferTimeoutError(timeout_message())
+            if stall_at is not None and now > stall_at:
+                raise PeerError(
+                    f"no data from peer {self.peer} for {self.stall_s:g} s while waiting for "
+                    f"{what} (MX_TRANSFER_STALL_S): the link may be down or the peer hung; "
+                    "trying another source")
             if now - self._last_log > _STILL_WAITING_EVERY_S:
                 log.info("still waiting for %s from %s after %.0f s", what, self.peer,
                          now - (deadline - self.deadline_s))
@@ -156,7 +165,7 @@ class ReadLoop:
                 if state == "PROC":
                     state = self._wait(req, n, deadline, f"the {n}-byte connect READ", lambda: (
                         f"connecting to peer {peer} (a {n}-byte READ) did not finish within "
-                        f"{self.deadline_s} s; the peer may be hung"))
+                        f"{self.deadline_s} s; the peer may be hung"), since=time.monotonic())
             if state == "ERR":
                 raise PeerError(f"connecting to peer {peer} (a {n}-byte READ) failed: the peer "
                                 "vanished or its memory is gone; try another source")
@@ -183,6 +192,7 @@ class ReadLoop:
             t0 = time.perf_counter()
             next_chunk, done_bytes, stopping = 0, 0, False
             landed = t0
+            last_progress = time.monotonic()  # when a chunk last landed (stall clock)
 
             def post_more() -> None:
                 nonlocal next_chunk, stopping
@@ -215,7 +225,8 @@ class ReadLoop:
                     f"chunk {ci + 1}/{len(plan.chunks)} ({c.nbytes} bytes)", lambda: (
                         f"READ from peer {peer} did not finish within {self.deadline_s} s: "
                         f"{done_bytes} of {total} bytes arrived ({ci}/{len(plan.chunks)} "
-                        "chunks); the peer may be hung or the link far too slow"))
+                        "chunks); the peer may be hung or the link far too slow"),
+                    since=last_progress)
                 if state == "ERR":
                     raise PeerError(
                         f"READ of chunk {ci + 1}/{len(plan.chunks)} ({c.nbytes} bytes) from peer "
@@ -224,6 +235,7 @@ class ReadLoop:
                 inflight.pop(0)
                 agent.release(req)
                 landed = time.perf_counter()
+                last_progress = time.monotonic()
                 done_bytes += c.nbytes
                 if probing:
                     probing = False
@@ -248,6 +260,7 @@ class ReadLoop:
                     # A caller that sleeps here (a rate cap) holds the loop: that time
                     # is not the transport's, and must not read as a slow link.
                     self.held_s += time.perf_counter() - t_cb
+                    last_progress = time.monotonic()  # the callback's time is not a stall
             if not plan.chunks:
                 self._verify(0)  # only zero-byte tensors: nothing to read, still "done"
             # Data-plane time: first post to the last byte landing. Digests of earlier

@@ -178,3 +178,36 @@ def test_close_is_idempotent_and_in_safe_order(source_factory) -> None:
     mgr.close()
     mgr.close()
     assert not mgr.registered_regions()
+
+
+def test_a_stalled_peer_is_given_up_after_stall_s_not_the_deadline(source_factory,
+                                                                    monkeypatch) -> None:
+    """A source that stops answering (SIGSTOP: what a cut link looks like to UCX over
+    TCP) is given up after ``stall_s`` with a PeerError naming the stall, so the pull
+    can move to the next source instead of waiting out its whole deadline."""
+    tcp = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}  # CMA would read a stopped process
+    src = source_factory({"kinds": ["chunky"]}, env=tcp)
+    for k, v in tcp.items():
+        monkeypatch.setenv(k, v)  # read when the target's UCX context is created
+    stall_s, deadline = 3.0, 120.0
+    try:
+        with NixlTransferManager() as target:
+            target.add_peer(src.metadata)
+            manifest = Manifest.from_json(src.manifests["chunky"])
+            _, local = layouts.carve("", filled=False, specs=layouts.specs_of(manifest))
+
+            def freeze_after_two_chunks(bytes_done: int, total: int) -> None:
+                if bytes_done >= 2 << 20:
+                    os.kill(src.pid, signal.SIGSTOP)
+
+            t0 = time.monotonic()
+            with pytest.raises(PeerError, match="no data from peer") as err:
+                target.read(manifest, local, chunk_bytes=1 << 20, max_inflight=1,
+                            deadline_s=deadline, stall_s=stall_s,
+                            progress=freeze_after_two_chunks)
+            waited = time.monotonic() - t0
+            assert stall_s <= waited < stall_s + 30, waited
+            assert "MX_TRANSFER_STALL_S" in str(err.value)
+            target.remove_peer(manifest.agent_name)
+    finally:
+        os.kill(src.pid, signal.SIGCONT)
