@@ -398,17 +398,22 @@ class MxModelLoader(BaseModelLoader):
         try:
             from modelexpress.p2p import serve_source
 
+            from modelexpress.local import LocalOptions
+
             client = self._client()
             attributes = {"vllm_form": "loaded"}
             if loaded.probe is not None:
                 attributes[_probe.ATTRIBUTE] = loaded.probe.to_json()
-            handle = serve_source(identity, loaded.tensors, client=client, arena=arena,
+            local = LocalOptions.from_settings(self._settings)
+            tensors, buffers = (_shareable(loaded.tensors) if local.enabled
+                                else (loaded.tensors, ()))
+            handle = serve_source(identity, tensors, client=client, arena=arena,
                                   manager=self._manager(), backend=self._settings.nixl_backend,
                                   heartbeat_interval_s=self._settings.heartbeat_interval_s,
                                   single_region=self._settings.arena_single_mr,
                                   digest_algorithm=loaded.digest_algorithm,
                                   known_digests=loaded.digests, attributes=attributes,
-                                  guardian=True)
+                                  guardian=True, local=local, host_buffers=buffers)
         except Exception as exc:  # noqa: BLE001 - serving is an extra; the engine runs without it
             # Our own errors say what went wrong; anything else is a bug: show where.
             report.not_serving_reason = f"{type(exc).__name__}: {exc}"
@@ -482,6 +487,20 @@ class _LayerRegistrations:
         moe = getattr(self._compilation, "static_all_moe_layers", None)
         if moe is not None:
             del moe[self._moe_count:]
+
+
+def _shareable(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple]:
+    """``tensors`` with the CPU ones copied into one memfd-backed buffer, so that engines
+    on this host can map them (the local transport); GPU tensors are shared as they are
+    (CUDA IPC / VMM handles). The copy costs one more copy of a CPU engine's weights in
+    host memory while it serves (``MX_IPC_DIR=off`` avoids it)."""
+    cpu = {name: t for name, t in tensors.items() if t.device.type == "cpu"}
+    if not cpu:
+        return tensors, ()
+    from modelexpress.local import host_buffer_like
+
+    buf, copies = host_buffer_like(cpu, name="mx-vllm-weights")
+    return {name: copies.get(name, t) for name, t in tensors.items()}, (buf,)
 
 
 def _has_online_quant(model: nn.Module) -> bool:

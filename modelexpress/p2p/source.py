@@ -58,9 +58,11 @@ class SourceHandle(ClosedOnCollect):
                  registration: "RegistrationInfo", manifest_bytes: int,
                  heartbeat_interval_s: float, owns_manager: bool,
                  tensors: Mapping[str, "torch.Tensor"] | None = None,
-                 guardian: Any = None, local: "LocalSource | None" = None) -> None:
+                 guardian: Any = None, local: "LocalSource | None" = None,
+                 host_buffers: Sequence["HostBuffer"] = ()) -> None:
         self.client = client
         self.local = local
+        self._host_buffers = tuple(host_buffers)
         self._guardian = guardian
         # Peers read this memory until close(): hold the tensors so it cannot be freed
         # and reused while published (the caller may drop its last reference, e.g. the
@@ -127,6 +129,8 @@ class SourceHandle(ClosedOnCollect):
         if self.local is not None:
             # ORDER: after the withdrawal (no new target picks us), before the memory goes.
             self.local.close()
+        for buf in self._host_buffers:
+            buf.close()  # tensor views still alive keep their pages (HostBuffer.close)
         self._thread.join(timeout=self._interval + 5.0)
         if self._owns_manager:
             self.manager.close()
@@ -183,7 +187,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
             with a warning.
         host_buffers: the memfd-backed buffers CPU ``tensors`` live in
             (``checkpoint.load_checkpoint_shared``, ``local.host_buffer_like``); the
-            caller keeps them open until the handle is closed.
+            handle closes them when it closes (views of them keep their pages).
 
     Returns:
         A :class:`SourceHandle`; close it to withdraw.
@@ -242,7 +246,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                         manager=mgr, registration=registration,
                         manifest_bytes=len(manifest_json),
                         heartbeat_interval_s=heartbeat_interval_s, owns_manager=owns,
-                        tensors=tensors, guardian=guard, local=local_source)
+                        tensors=tensors, guardian=guard, local=local_source,
+                        host_buffers=host_buffers)
 
 
 def _serve_locally(local: "LocalOptions", tensors: Mapping[str, "torch.Tensor"], arena: Any,

@@ -146,6 +146,11 @@ def test_pulled_engines_answer_exactly_as_their_source(ckpt, logs, server, refer
                 c.wait_ready()
                 _assert_pulled(b)
                 _assert_pulled(c)
+                # one host: A serves its loaded form over the local transport too, and
+                # B and C copy it from A's memory, not over NIXL
+                for engine in (b, c):
+                    assert re.search(r"pulled .* GB/s, local, digests verified",
+                                     engine.log_text()), engine.log_tail()
                 assert _answers(b) == reference
                 assert _answers(c) == reference
 

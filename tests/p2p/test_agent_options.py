@@ -50,10 +50,10 @@ def test_an_agent_with_refuse_slow_transport_fails_a_transfer_that_fell_back(
     # and its own protocol report says so, which is a fallback whatever the rate
     # (modelexpress/transfer/transport.py). Only the environment differs between the
     # agents: the one with MX_REFUSE_SLOW_TRANSPORT=1 must fail its transfer, the other
-    # only warns.
+    # only warns. (MX_IPC_DIR=off: the local transport would not use UCX at all.)
     from modelexpress.checkpoint import real_model_checkpoint
 
-    tcp = {"UCX_TLS": "tcp"}
+    tcp = {"UCX_TLS": "tcp", "MX_IPC_DIR": "off"}
     publisher = cluster.start(["publish", str(real_model_checkpoint()), "--model", MODEL,
                                "--json", "--worker-id", "tcp-source"], "tcp-source", env=tcp)
     publisher.json_line()

@@ -17,6 +17,7 @@ from conftest import MODEL, Cluster
 from modelexpress.checkpoint import load_checkpoint, real_model_checkpoint
 from modelexpress.errors import TransferCancelledError, TransferTimeoutError
 from modelexpress.identity import ModelIdentity
+from modelexpress.local import LocalOptions
 from modelexpress.p2p import PullOptions, pull
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
@@ -49,9 +50,10 @@ def test_a_library_pull_is_recorded_from_start_to_finish(cluster: Cluster, refer
     assert record.source_id == published["source_id"] == result.source_ids[0]
     assert record.candidates == (published["source_id"],)
     assert record.bytes_done == record.bytes_total == result.bytes > 0
-    # the outcome the server exports: what UCX reported, the verdict, both times
+    # the outcome the server exports: the transport (one host: the local transport,
+    # observed by our own copies), the verdict, both times
     assert record.outcome is not None
-    assert record.outcome.transport == result.transport == "cma"
+    assert record.outcome.transport == result.transport == "local"
     assert record.outcome.verdict == result.verdict
     assert record.outcome.data_plane_s == pytest.approx(result.seconds)
     assert 0 < record.outcome.total_s <= result.total_seconds
@@ -123,10 +125,12 @@ def test_a_source_of_another_checkpoint_under_the_same_identity_never_serves_a_p
 
 def test_a_rate_capped_pull_is_not_reported_as_a_slow_transport(cluster: Cluster,
                                                                 reference) -> None:
-    """The cap sleeps between chunks; that time is the caller's, not the link's."""
+    """The cap sleeps between chunks; that time is the caller's, not the link's.
+    (Over NIXL, whose rate is judged: the local transport is off for this pull.)"""
     cluster.source()
     result = pull(IDENTITY, _empty_like(reference), client=cluster.client,
                   options=PullOptions(timeout_s=120, worker_id="lib-pull-5", max_gbps=0.05,
-                                      chunk_bytes=4 << 20, refuse_slow_transport=True))
+                                      chunk_bytes=4 << 20, refuse_slow_transport=True,
+                                      local=LocalOptions(ipc_dir="off")))
     assert result.warnings == () and result.gbps < 0.2
     assert result.transport == "cma"  # what UCX reported for this peer
