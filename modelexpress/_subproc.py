@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import selectors
+import select
 import signal
 import subprocess
 import sys
@@ -47,28 +47,41 @@ class ModuleProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE,
                                      stderr=self._log, env=env, cwd=cwd)
+        self._pending = b""  # stdout read but not yet returned by json_line
 
     def json_line(self, deadline_s: float) -> dict[str, Any]:
-        """The first JSON object the child prints on stdout.
+        """The next JSON object the child prints on stdout (one line starting ``{``).
+
+        Reads the pipe with ``os.read`` into a buffer of its own: a line that arrived
+        with earlier output in one read is not left in a file object's buffer where
+        ``select`` cannot see it, and what follows it is kept for the next call. A
+        line printed just before the child exits is still returned.
 
         Raises:
             MxTimeoutError: nothing within ``deadline_s``, or the child exited first
                 (the message holds the end of its log).
         """
         assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        fd = self.proc.stdout.fileno()
         end = time.monotonic() + deadline_s
-        try:
-            while time.monotonic() < end:
-                if sel.select(timeout=0.5):
-                    line = self.proc.stdout.readline()
-                    if line.startswith(b"{"):
-                        return json.loads(line)
-                if self.proc.poll() is not None:
-                    break
-        finally:
-            sel.close()
+        eof = False
+        while True:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                if line.startswith(b"{"):
+                    return json.loads(line)
+            if eof or time.monotonic() >= end:
+                break
+            ready, _, _ = select.select([fd], [], [], min(0.5, max(end - time.monotonic(), 0)))
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    self._pending += chunk
+                    continue
+                eof = True  # the child closed stdout (exited)
+                self._pending += b"\n"  # a last line without its newline
+            elif self.proc.poll() is not None:
+                eof = True
         raise MxTimeoutError(f"{self.name} printed no JSON line within {deadline_s:.0f} s "
                              f"(exit code {self.proc.poll()}); log:\n{self.tail()}")
 
