@@ -88,7 +88,8 @@ def _client(server: ServerProc):  # noqa: ANN202
 
 
 def _source_ids(engine: Engine) -> list[str]:
-    return re.findall(r"source (\S+) serving ", engine.log_text())
+    # (not the local transport's "local source <id> serving N segments" line)
+    return re.findall(r"(?<!local )source (\S+) serving ", engine.log_text())
 
 
 @contextlib.contextmanager
