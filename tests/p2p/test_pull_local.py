@@ -152,3 +152,31 @@ def test_a_library_pull_with_local_off_never_uses_the_local_transport(
     result = pull(IDENTITY, dest, client=cluster.client,
                   options=PullOptions(timeout_s=120, local=LocalOptions(ipc_dir="off")))
     assert result.transport not in ("local", "unknown")
+
+
+def test_an_agents_fan_out_source_serves_same_host_peers_locally(
+        cluster: Cluster, reference) -> None:
+    """An agent pulls into memfd memory and serves it onward: its fan-out source
+    publishes a local endpoint, and a pull from it copies locally."""
+    from modelexpress.p2p.agent import Agent, AgentOptions
+    from modelexpress.settings import MxSettings
+
+    cluster.source()
+    options = AgentOptions.from_settings(MxSettings(ipc_dir=cluster.ipc_dir),
+                                         serve_after_pull=True)
+    with Agent(cluster.client, "fan-out-agent", options) as agent:
+        agent.register()
+        started = cluster.client.start_transfer(IDENTITY, agent.agent_id)
+        claimed = cluster.wait_for(
+            lambda: cluster.client.poll_assignments(agent.agent_id, wait_s=1.0),
+            "the transfer's assignment")
+        assert agent.execute(claimed[0]) == "SUCCEEDED"
+        assert cluster.client.get_transfer(started.id).outcome.transport == "local"
+        (served,) = agent.served
+        assert served.local is not None and served.local.path.startswith(cluster.ipc_dir)
+        dest = {name: torch.empty_like(t) for name, t in reference.items()}
+        result = pull(IDENTITY, dest, client=cluster.client,
+                      options=PullOptions(timeout_s=120, prefer=(served.source_id,)))
+        assert result.source_ids == (served.source_id,) and result.transport == "local"
+        for name, tensor in reference.items():
+            assert torch.equal(dest[name], tensor), name
