@@ -132,8 +132,8 @@ class TransferTracker:
 def outcome_of(result: "PullResult") -> dict[str, Any]:
     """The outcome a finished record carries (``MxClient.finish_transfer(outcome=...)``).
 
-    ``transport`` is what UCX reported (``+``-joined when several sources used
-    several), ``verdict`` the rate verdict: ``slow`` when any source's READ was judged
+    ``transport`` is what UCX reported, or ``local`` for a same-host source copied by
+    :mod:`modelexpress.local` (``+``-joined when several sources used several), ``verdict`` the rate verdict: ``slow`` when any source's READ was judged
     a fallback, ``ok`` when all were judged fine, ``unknown`` when none was judged.
     """
     parts = sorted({t for chunk in result.transport.split(",") for t in chunk.split("+") if t})
