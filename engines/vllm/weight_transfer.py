@@ -92,6 +92,10 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._model_name: str | None = None
         self._options = None
         self._staging: dict[str, dict[str, torch.Tensor]] = {}  # shard -> name -> tensor
+        # One NIXL agent for every update: the staging memory stays registered with it,
+        # so an update pays neither an agent's start nor a registration.
+        self._manager: Any = None
+        self._backend = "UCX"
         self.version: str | None = None
         self.last_error: str | None = None
 
@@ -121,6 +125,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         # track=False: a weight update is not a transfer an operator follows on the
         # control plane, and one record per engine per step would flood it.
         self._options = PullOptions.from_settings(settings, track=False, device="cpu")
+        self._backend = settings.nixl_backend
         log.info("mx weight transfer: run %s via %s", init_info.model, ",".join(client.base_urls))
 
     def start_weight_update(self) -> None:
@@ -184,11 +189,15 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             got: dict[str, torch.Tensor] = {}
             try:
                 result = pull(identity, dest, client=self._client, options=self._options,
-                              on_destination=got.update)
+                              manager=self._agent(), on_destination=got.update)
             except ManifestMismatchError:
-                # The trainer's layout changed (a new shape or dtype): allocate anew.
+                # The trainer's layout changed (a new shape or dtype): allocate anew, on a
+                # new agent (the old one's registrations cover the old staging).
+                self._drop_agent()
+                self._staging.pop(shard, None)
+                got.clear()
                 result = pull(identity, None, client=self._client, options=self._options,
-                              on_destination=got.update)
+                              manager=self._agent(), on_destination=got.update)
             if not result.verified:
                 raise WeightUpdateError(
                     f"version {version} shard {shard} arrived without verified digests "
@@ -198,6 +207,18 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             staged.extend(got.items())
             nbytes += result.bytes
         return staged, nbytes
+
+    def _agent(self) -> Any:
+        if self._manager is None:
+            from modelexpress.transfer import NixlTransferManager
+
+            self._manager = NixlTransferManager(backend=self._backend)
+        return self._manager
+
+    def _drop_agent(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.close()
 
     def _load(self, staged: list[tuple[str, torch.Tensor]]) -> None:
         """vLLM's own reload lifecycle, as its NCCL and IPC backends use it."""
@@ -215,4 +236,5 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         if self._client is not None:
             self._client.close()
         self._client = None
+        self._drop_agent()
         self._staging = {}

@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from modelexpress.errors import ConfigError, WeightUpdateError
