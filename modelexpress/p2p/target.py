@@ -525,9 +525,15 @@ def _local_factory(opts: PullOptions) -> "ReaderFactory | None":
     """The local transport's reader factory, or None when ``MX_IPC_DIR=off``."""
     if not opts.local.enabled:
         return None
+    from modelexpress.errors import ConfigError
     from modelexpress.local.reader import local_reader_factory
 
-    return local_reader_factory(opts.local, chunk_bytes=opts.chunk_bytes, verify=opts.verify)
+    try:
+        return local_reader_factory(opts.local, chunk_bytes=opts.chunk_bytes,
+                                    verify=opts.verify)
+    except ConfigError as exc:  # no host id (no boot id, no MX_NODE_NAME): NIXL only
+        log.warning("local transport off for this pull: %s", exc)
+        return None
 
 
 def _start_agent(opts: PullOptions, dest: Mapping[str, "torch.Tensor"] | None) -> "AgentStart":
