@@ -20,6 +20,9 @@ so every round really changes the weights:
   every engine at once: ``POST /collective_rpc {"method": "reload_weights",
   "kwargs": {"weights_path": DIR}}`` (vLLM's own reload; the page cache is warm:
   the files were just written or read).
+* ``save``: what the disk route costs the trainer before that reload: writing the
+  version's tensors as safetensors and ``fsync`` (``save_median_s``; to local disk,
+  not a shared file system); ``mx_over_save_and_disk`` compares mx with save + reload.
 * engine side (from the engines' logs): ``engine_pull_median_s`` (pull into staging,
   digests checked) and ``engine_load_median_s`` (vLLM's layerwise reload), all rounds
   but the first.
@@ -85,6 +88,20 @@ def _disk_reload(engines: list[Engine], ckpt: pathlib.Path) -> float:
     return time.perf_counter() - t0
 
 
+def _save(tensors: dict, ckpt: pathlib.Path, scratch: pathlib.Path) -> float:
+    """What the trainer pays to put a version on disk first: write the checkpoint's
+    tensors (safetensors) and fsync. Written beside, not over, the engines' checkpoint."""
+    from safetensors.torch import save_file
+
+    scratch.mkdir(exist_ok=True)
+    path = scratch / f"{ckpt.name}.safetensors"
+    t0 = time.perf_counter()
+    save_file(tensors, str(path))
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
 def _raw_copy(tensors: dict, repeats: int) -> float:
     import torch
 
@@ -142,7 +159,7 @@ def run(args: argparse.Namespace, work: pathlib.Path) -> dict:
                     client=client, source=StateDictSource(current))
                 assert isinstance(trainer, MxTrainerWeightTransferEngine)
                 try:
-                    mx_s, disk_s, first_s = [], [], None
+                    mx_s, disk_s, save_s, first_s = [], [], [], None
                     for r in range(args.repeats * 2 + 1):
                         version = "B" if r % 2 == 0 else "A"
                         for name, t in weights[version].items():
@@ -160,6 +177,7 @@ def run(args: argparse.Namespace, work: pathlib.Path) -> dict:
                              f"(engines {', '.join(f'{s:.3f}' for s in report.engine_seconds)})")
                     for r in range(args.repeats):
                         version = "A" if r % 2 == 0 else "B"
+                        save_s.append(_save(weights[version], ckpt[version], work / "saved"))
                         secs = _disk_reload(engines, ckpt[version])
                         got = [_answer(e) for e in engines]
                         assert got == [answers[version]] * n, ("disk", version, got, answers)
@@ -178,6 +196,9 @@ def run(args: argparse.Namespace, work: pathlib.Path) -> dict:
                     "mx_first_s": first_s, "mx_s": mx_s, "disk_s": disk_s,
                     "mx_median_s": statistics.median(mx_s),
                     "disk_median_s": statistics.median(disk_s),
+                    "save_median_s": statistics.median(save_s),
+                    "mx_over_save_and_disk": statistics.median(mx_s) / (
+                        statistics.median(save_s) + statistics.median(disk_s)),
                     "mx_over_disk": statistics.median(mx_s) / statistics.median(disk_s),
                     "mx_over_copy": statistics.median(mx_s) / copy_s}
             finally:

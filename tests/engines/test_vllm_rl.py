@@ -143,6 +143,7 @@ def test_a_trainer_crash_before_the_pull_leaves_version_1_serving(engines, ckpts
     assert failed.status_code >= 400, failed.text
     assert "version 2 of tiny-rl-run not loaded" in e1.log_text(), e1.log_tail()
     assert _answers(e1) == v1_answers  # still version 1, not half of version 2
+    assert _weight_version(e1) != "2"
 
 
 def test_two_engines_switch_concurrently_and_answer_as_version_2_from_disk(
