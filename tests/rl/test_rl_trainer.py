@@ -136,3 +136,48 @@ def test_an_engine_that_fails_is_named_and_the_others_still_finish(mx_env) -> No
             sync.send_weights()
     finally:
         sync.shutdown()
+
+
+def test_two_trainer_shards_publish_their_halves_and_engines_pull_both(mx_env) -> None:  # noqa: ANN001
+    """Ranks that each hold part of the model publish what they hold; rank 0 sends the
+    engines both shards' identities. (vLLM 0.32's source shape: ``None`` for a name
+    another rank holds.)"""
+    import torch
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    from modelexpress.engines.vllm.plugin import register_weight_transfer
+    from modelexpress.rl import MxTrainerInitInfo, StateDictSource
+    from modelexpress.rl.trainer import MxTrainerWeightTransferEngine
+
+    if hasattr(WeightSource, "iter_full"):
+        pytest.skip("this test builds vLLM 0.32's held_names source; 0.33 has owned_names")
+    register_weight_transfer()
+    policy = _policy(9)
+    halves = [{"model.layers.0.mlp.up_proj.weight"}, {"lm_head.weight"}]
+
+    class Half(StateDictSource):
+        def __init__(self, held: set[str]) -> None:
+            super().__init__(policy)
+            self.held = held
+
+        def held_names(self) -> set[str]:
+            return self.held
+
+        def __iter__(self):  # noqa: ANN204
+            for name, t in policy.items():
+                yield name, (t if name in self.held else None)
+
+    engine = PullingEngine(mx_env.url)
+    ranks = [MxTrainerWeightTransferEngine.trainer_init(
+        MxTrainerInitInfo(model="run-s", rank=r, shards=2), client=engine,
+        source=Half(halves[r])) for r in (1, 0)]
+    try:
+        ranks[0].send_weights(1)  # rank 1: publishes its half, drives nothing
+        assert engine.calls == ["init:run-s"]
+        ranks[1].send_weights(1)  # rank 0: its half, then the engines
+        assert engine.version == "1"
+        assert set(engine.weights) == set(policy)
+        assert all(torch.equal(engine.weights[n], t) for n, t in policy.items())
+    finally:
+        for r in ranks:
+            r.shutdown()
