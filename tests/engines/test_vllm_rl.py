@@ -141,6 +141,8 @@ def test_a_trainer_crash_before_the_pull_leaves_version_1_serving(engines, ckpts
         assert http.post("/start_weight_update").status_code == 200
         failed = http.post("/update_weights", json={"update_info": update})
     assert failed.status_code >= 400, failed.text
+    # The caller is told why (vLLM's error body carries the worker's message).
+    assert "version 2 of tiny-rl-run not loaded" in failed.text, failed.text
     assert "version 2 of tiny-rl-run not loaded" in e1.log_text(), e1.log_tail()
     assert _answers(e1) == v1_answers  # still version 1, not half of version 2
     assert _weight_version(e1) != "2"
