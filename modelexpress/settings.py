@@ -62,6 +62,12 @@ class MxSettings(BaseSettings):
         "transport is read only for UCX.")
     transfer_timeout_s: float = _field(
         600.0, "transfer", "Deadline for one whole transfer, in seconds.", gt=0)
+    transfer_stall_s: float = _field(
+        120.0, "transfer",
+        "A READ from a source that lands no chunk for this many seconds gives that source "
+        "up (a cut link, a hung peer) and the pull tries the next one; 0 waits until "
+        "MX_TRANSFER_TIMEOUT_S. Keep it above 2 x MX_TRANSFER_CHUNK_BYTES / the link's rate.",
+        ge=0)
     transfer_chunk_bytes: int = _field(
         1 << 30, "transfer",
         "Bytes per READ chunk: progress is reported and a stop honoured between chunks.",

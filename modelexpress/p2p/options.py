@@ -40,6 +40,8 @@ class PullOptions:
         exclude_workers: worker ids never chosen (e.g. the puller's own sources).
         chunk_bytes: bytes per READ request: the granularity of progress and stop
             (``MX_TRANSFER_CHUNK_BYTES``).
+        stall_s: a NIXL READ that lands no chunk for this long gives its source up and
+            the next one is tried (``MX_TRANSFER_STALL_S``); 0 waits until ``timeout_s``.
         refuse_slow_transport: fail on a detected transport fallback instead of warning
             (``MX_REFUSE_SLOW_TRANSPORT``).
         max_gbps: cap on the receive rate, enforced between chunks; 0 is none
@@ -68,6 +70,7 @@ class PullOptions:
     prefer: tuple[str, ...] = ()
     exclude_workers: tuple[str, ...] = ()
     chunk_bytes: int = 1 << 30
+    stall_s: float = 120.0
     refuse_slow_transport: bool = False
     max_gbps: float = 0.0
     track: bool = True
@@ -88,6 +91,7 @@ class PullOptions:
             ("stripe", self.stripe, self.stripe >= 1, ">= 1"),
             ("timeout_s", self.timeout_s, self.timeout_s > 0, "> 0"),
             ("chunk_bytes", self.chunk_bytes, self.chunk_bytes > 0, "> 0"),
+            ("stall_s", self.stall_s, self.stall_s >= 0, ">= 0 (0: only the deadline)"),
             ("max_gbps", self.max_gbps, self.max_gbps >= 0, ">= 0 (0: no cap)"),
             ("progress_interval_s", self.progress_interval_s, self.progress_interval_s >= 0,
              ">= 0"),
@@ -111,6 +115,7 @@ class PullOptions:
             "policy": settings.source_policy,
             "max_attempts": settings.max_source_attempts,
             "chunk_bytes": settings.transfer_chunk_bytes,
+            "stall_s": settings.transfer_stall_s,
             "refuse_slow_transport": settings.refuse_slow_transport,
             "max_gbps": settings.transfer_max_gbps,
             "backend": settings.nixl_backend,

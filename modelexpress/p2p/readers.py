@@ -64,11 +64,13 @@ class NixlReader:
         manager: the NIXL manager of this pull (its registrations hold the destination).
         info: the source (with ``agent_metadata``).
         manifest: its manifest.
-        chunk_bytes, verify, refuse_slow_transport: as :class:`~.options.PullOptions`.
+        chunk_bytes, verify, refuse_slow_transport, stall_s: as
+            :class:`~.options.PullOptions`.
     """
 
     def __init__(self, manager: "NixlTransferManager", info: "SourceInfo", manifest: "Manifest",
-                 *, chunk_bytes: int, verify: bool, refuse_slow_transport: bool) -> None:
+                 *, chunk_bytes: int, verify: bool, refuse_slow_transport: bool,
+                 stall_s: float = 0.0) -> None:
         if info.agent_metadata is None:
             raise PeerError(f"source {info.id} (worker {info.worker_id}) has no agent metadata; "
                             "fetch it with get_source")
@@ -78,6 +80,7 @@ class NixlReader:
         self.chunk_bytes = chunk_bytes
         self.verify = verify
         self.refuse_slow_transport = refuse_slow_transport
+        self.stall_s = stall_s
 
     def read_into(self, dest: Mapping[str, "torch.Tensor"], *, allow_partial: bool,
                   progress: Callable[[int, int], None], stop: "StopSignal | None",
@@ -90,7 +93,8 @@ class NixlReader:
             result = self.manager.read(
                 self.manifest, dest, peer=peer, allow_partial=allow_partial,
                 chunk_bytes=self.chunk_bytes, deadline_s=deadline_s, progress=progress,
-                stop=stop, verify=self.verify, refuse_slow_transport=self.refuse_slow_transport)
+                stop=stop, verify=self.verify, refuse_slow_transport=self.refuse_slow_transport,
+                stall_s=self.stall_s or None)
         finally:
             self.manager.remove_peer(peer)
         return dataclasses.replace(result, peer_seconds=peer_s)

@@ -309,7 +309,8 @@ class _Puller:
         return chosen or NixlReader(self.nixl.get(self.dest), info, manifest,
                                     chunk_bytes=self.options.chunk_bytes,
                                     verify=self.options.verify,
-                                    refuse_slow_transport=self.options.refuse_slow_transport)
+                                    refuse_slow_transport=self.options.refuse_slow_transport,
+                                    stall_s=self.options.stall_s)
 
     def read_from(self, info: "SourceInfo", manifest: "Manifest",
                   dest: Mapping[str, "torch.Tensor"], key: str,

@@ -88,16 +88,20 @@ def test_striped_pull_reads_a_share_from_each_of_two_hosts(
     assert sum(sent) >= _nbytes(reference)
 
 
-def test_a_link_down_mid_transfer_moves_to_another_source_or_fails_within_the_deadline(
+def test_a_link_down_mid_transfer_moves_to_another_source(
         netns: NetnsCluster, tmp_path: pathlib.Path, reference: dict[str, torch.Tensor]) -> None:
+    """A cable pulled mid-READ: UCX over TCP reports nothing for a silent peer, so the
+    READ gives the source up after MX_TRANSFER_STALL_S with nothing landing, and the
+    pull reads the whole model from the other source, well inside its deadline."""
     server, a, b, tgt = (netns.add_host(n) for n in ("server", "a", "b", "tgt"))
     for h in (a, b):
         h.shape(200)  # the 90 MB take ~4 s: time to pull a cable mid-transfer
     fleet = Fleet(netns, server)
     published = {p["worker_id"]: p for p in _sources(fleet, [a, b])}
-    deadline_s = 20.0
+    deadline_s, stall_s = 120.0, 3.0
     out = tmp_path / "out"
     pull = fleet.pull(tgt, out, env={"MX_TRANSFER_TIMEOUT_S": str(deadline_s),
+                                     "MX_TRANSFER_STALL_S": str(stall_s),
                                      "MX_TRANSFER_CHUNK_BYTES": str(4 << 20)})
     tx0 = {h.name: h.nic_bytes()[1] for h in (a, b)}
     victim = None
@@ -115,21 +119,16 @@ def test_a_link_down_mid_transfer_moves_to_another_source_or_fails_within_the_de
     took = time.monotonic() - cut
     code = pull.wait(30)
     victim_id = published[f"src-{victim.name}"]["source_id"]
-    if result["ok"]:  # moved on: the other source served the whole model
-        assert code == 0
-        assert victim_id not in result["source_ids"]
-        assert victim_id in [s["source_id"] for s in result["skipped"]]
-        _assert_same(out, reference)
-        return
-    # or failed clearly, within its deadline (plus process exit), with nothing half-loaded
-    assert code != 0
-    assert took < deadline_s + 30, took
-    assert "deadline" in result["error"] or "timed out" in result["error"], result["error"]
-    assert not list(out.glob("*.safetensors")) if out.exists() else True
+    assert result["ok"], f"{result}\n{pull.tail()}"
+    assert code == 0
+    assert took < deadline_s / 2, took  # the stall bound, not the deadline, ended the wait
+    assert victim_id not in result["source_ids"]
+    skipped = {s["source_id"]: s for s in result["skipped"]}
+    assert victim_id in skipped and "no data from peer" in str(skipped[victim_id]), skipped
+    _assert_same(out, reference)
     with fleet.client() as c:
         (record,) = [t for t in c.list_transfers() if t.target_worker.startswith("pull-")]
-        assert record.state == "FAILED", record
-        assert record.bytes_done < record.bytes_total
+        assert record.state == "SUCCEEDED", record
 
 
 def test_ucx_net_devices_picks_the_nic_that_carries_the_bytes(

@@ -25,6 +25,7 @@ PULL_SETTINGS = {
     "MX_SOURCE_POLICY": ("spread", "policy", "spread"),
     "MX_MAX_SOURCE_ATTEMPTS": ("7", "max_attempts", 7),
     "MX_TRANSFER_CHUNK_BYTES": (str(8 << 20), "chunk_bytes", 8 << 20),
+    "MX_TRANSFER_STALL_S": ("7.5", "stall_s", 7.5),
     "MX_REFUSE_SLOW_TRANSPORT": ("1", "refuse_slow_transport", True),
     "MX_TRANSFER_MAX_GBPS": ("3.5", "max_gbps", 3.5),
     "MX_NIXL_BACKEND": ("LIBFABRIC", "backend", "LIBFABRIC"),
@@ -57,6 +58,7 @@ def test_flags_win_and_an_unset_flag_keeps_the_setting(monkeypatch: pytest.Monke
     ({"timeout_s": 0}, "timeout_s must be > 0"),
     ({"max_gbps": -1}, "max_gbps must be >= 0"),
     ({"chunk_bytes": 0}, "chunk_bytes must be > 0"),
+    ({"stall_s": -1}, "stall_s must be >= 0"),
 ])
 def test_bad_values_are_refused_with_the_allowed_ones(changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
