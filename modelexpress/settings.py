@@ -11,12 +11,14 @@ keeps the two in sync. Each field's ``section`` groups it in that table.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import pydantic
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["MxSettings", "STORE_SCHEMES", "env_table_markdown", "settings_error_line",
@@ -51,10 +53,11 @@ class MxSettings(BaseSettings):
         "Virtual address range the VMM arena reserves (no physical cost).", gt=0)
 
     # --- NIXL data plane -----------------------------------------------------
-    arena_single_mr: bool = _field(
+    vmm_arena_single_mr: bool = _field(
         False, "transfer",
-        "Force one NIXL region over the whole arena even where the transport cannot "
-        "serve a multi-handle range. Only safe on dmabuf/InfiniBand, never on cuda_ipc.")
+        "Force one NIXL region over the whole VMM arena even where the transport cannot "
+        "serve a multi-handle range. Only safe on dmabuf/InfiniBand, never on cuda_ipc. "
+        "(Was MX_ARENA_SINGLE_MR, still read with a warning.)")
     nixl_backend: str = _field(
         "UCX", "transfer",
         "NIXL backend plugin of every agent modelexpress creates (publish, pull, agent, vLLM "
@@ -155,6 +158,23 @@ class MxSettings(BaseSettings):
         "Fault each arena's pages in at creation (background thread) so no message pays "
         "first-touch page allocation; the arena then occupies its full size in /dev/shm.")
 
+    @model_validator(mode="after")
+    def _renamed_variables(self) -> "MxSettings":
+        """Old variable names (renamed so each names the arena it is about) still
+        work, with a warning, unless the new name is set too."""
+        for old, field in _RENAMED.items():
+            if old in os.environ and field not in self.model_fields_set:
+                logging.getLogger(__name__).warning(
+                    "%s is deprecated: set MX_%s instead", old, field.upper())
+                try:
+                    value = pydantic.TypeAdapter(type(getattr(self, field))).validate_python(
+                        os.environ[old])
+                except pydantic.ValidationError:
+                    raise ValueError(f"{old} (now MX_{field.upper()}): {os.environ[old]!r} is "
+                                     f"not valid; use {_BOOLS}") from None
+                object.__setattr__(self, field, value)
+        return self
+
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: str) -> str:
@@ -209,6 +229,9 @@ class MxSettings(BaseSettings):
             shown = {k: v for k, v in (names or {}).items() if k in given}
             raise ConfigError(settings_error_line(exc, names=shown)) from exc
 
+
+_RENAMED = {"MX_ARENA_SINGLE_MR": "vmm_arena_single_mr"}
+"""Old environment variable -> the field that replaced it."""
 
 STORE_SCHEMES = ("sqlite:///", "redis://", "rediss://", "unix://")
 """Store URL prefixes ``MX_STORE`` accepts (``modelexpress.server.store.open_store``)."""

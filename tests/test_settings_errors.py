@@ -58,3 +58,17 @@ def test_good_values_load_and_are_normalised(monkeypatch: pytest.MonkeyPatch) ->
     assert settings.server_urls == ("http://a:8001", "https://b:8002")
     assert settings.store == "redis://r:6379/0"
     assert MxSettings.load().server_port == 8001  # None override: not given
+
+
+def test_a_renamed_variable_still_works_with_a_warning_and_the_new_name_wins(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("MX_ARENA_SINGLE_MR", "1")
+    with caplog.at_level("WARNING", logger="modelexpress.settings"):
+        assert MxSettings().vmm_arena_single_mr is True
+    assert "MX_ARENA_SINGLE_MR is deprecated: set MX_VMM_ARENA_SINGLE_MR" in caplog.text
+    monkeypatch.setenv("MX_VMM_ARENA_SINGLE_MR", "0")
+    assert MxSettings().vmm_arena_single_mr is False
+    monkeypatch.delenv("MX_VMM_ARENA_SINGLE_MR")
+    monkeypatch.setenv("MX_ARENA_SINGLE_MR", "maybe")
+    with pytest.raises(ConfigError, match=r"MX_ARENA_SINGLE_MR \(now MX_VMM_ARENA_SINGLE_MR\)"):
+        MxSettings.load()

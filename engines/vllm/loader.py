@@ -410,7 +410,7 @@ class MxModelLoader(BaseModelLoader):
             handle = serve_source(identity, tensors, client=client, arena=arena,
                                   manager=self._manager(), backend=self._settings.nixl_backend,
                                   heartbeat_interval_s=self._settings.heartbeat_interval_s,
-                                  single_region=self._settings.arena_single_mr,
+                                  single_region=self._settings.vmm_arena_single_mr,
                                   digest_algorithm=loaded.digest_algorithm,
                                   known_digests=loaded.digests, attributes=attributes,
                                   guardian=True, local=local, host_buffers=buffers)

@@ -153,7 +153,7 @@ def publish(
         handle = stack.enter_context(serve_source(
             identity, tensors, client=client, arena=arena, worker_id=worker_id,
             heartbeat_interval_s=settings.heartbeat_interval_s,
-            single_region=settings.arena_single_mr, guardian=True,
+            single_region=settings.vmm_arena_single_mr, guardian=True,
             backend=settings.nixl_backend, local=local, host_buffers=buffers))
         support.raise_if_interrupted(stop, f"publish of {checkpoint} stopped before it "
                                            "served; the source withdrew")

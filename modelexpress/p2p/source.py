@@ -168,7 +168,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         digests: publish per-tensor digests so targets can verify.
         digest_algorithm: force a digest algorithm (``wsum-i32-v1`` works on CPU and
             GPU; the default is chosen by where the tensors live).
-        single_region: ``MX_ARENA_SINGLE_MR``: force one region over the arena.
+        single_region: ``MX_VMM_ARENA_SINGLE_MR``: force one region over the arena.
         known_digests: per-tensor digests the caller already computed with
             ``digest_algorithm`` (the vLLM loader digests the loaded weights before
             post-processing and checks them after); not computed again.

@@ -242,7 +242,7 @@ class NixlTransferManager(ClosedOnCollect):
         Args:
             arena: a ``modelexpress.vmm.VmmArena``.
             tensors: the tensors to serve (they should live in the arena).
-            force_single_region: ``MX_ARENA_SINGLE_MR=1``; only safe on dmabuf/IB.
+            force_single_region: ``MX_VMM_ARENA_SINGLE_MR=1``; only safe on dmabuf/IB.
             transport: ``auto``, ``cuda_ipc``, ``dmabuf`` or ``dram``.
 
         Returns:

@@ -165,7 +165,7 @@ def choose_arena_strategy(arena: ArenaLike, tensors: Iterable[torch.Tensor], *,
     1. an empty arena (``used == 0``) -> per_tensor;
     2. any tensor outside ``[base, base + used)`` -> per_tensor (the region would not
        cover it);
-    3. ``force_single_region`` (``MX_ARENA_SINGLE_MR=1``) -> single_region, logged as a
+    3. ``force_single_region`` (``MX_VMM_ARENA_SINGLE_MR=1``) -> single_region, logged as a
        warning on ``cuda_ipc``: only safe on dmabuf/IB;
     4. a CUDA arena with more than one live allocation on ``cuda_ipc`` -> per_chunk: a
        CUDA IPC handle names exactly one ``cuMemCreate`` allocation, so one region
@@ -178,7 +178,7 @@ def choose_arena_strategy(arena: ArenaLike, tensors: Iterable[torch.Tensor], *,
         tensors: the tensors that must be covered.
         transport: ``"auto"`` (host arena -> ``"dram"``, CUDA arena -> ``"cuda_ipc"``,
             the same-host NVLink case), ``"cuda_ipc"``, ``"dmabuf"`` or ``"dram"``.
-        force_single_region: the ``MX_ARENA_SINGLE_MR`` override.
+        force_single_region: the ``MX_VMM_ARENA_SINGLE_MR`` override.
 
     Returns:
         The choice and its reason.
@@ -205,10 +205,10 @@ def choose_arena_strategy(arena: ArenaLike, tensors: Iterable[torch.Tensor], *,
     handles = len(arena.live_allocations())
     if force_single_region:
         if transport == "cuda_ipc" and handles > 1:
-            log.warning("MX_ARENA_SINGLE_MR=1 forces one region over %d arena handles on "
+            log.warning("MX_VMM_ARENA_SINGLE_MR=1 forces one region over %d arena handles on "
                         "cuda_ipc; peers can only map the first handle there (safe on "
                         "dmabuf/IB only, openucx/ucx#11283)", handles)
-        return StrategyChoice(Strategy.SINGLE_REGION, "forced by MX_ARENA_SINGLE_MR")
+        return StrategyChoice(Strategy.SINGLE_REGION, "forced by MX_VMM_ARENA_SINGLE_MR")
     if kind == "cuda" and transport == "cuda_ipc" and handles > 1:
         return StrategyChoice(
             Strategy.PER_CHUNK,

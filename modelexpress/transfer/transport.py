@@ -156,7 +156,7 @@ def _advice(expected: str, vmm: bool) -> str:
                 "for a peer on the same GPU, and falls back to TCP. On NVLink peers load "
                 "without the VMM arena "
                 "(MX_VMM_ARENA=0) so tensors are cudaMalloc memory; use the arena's single "
-                "region only on dmabuf/IB (MX_ARENA_SINGLE_MR=1); or use a UCX with "
+                "region only on dmabuf/IB (MX_VMM_ARENA_SINGLE_MR=1); or use a UCX with "
                 "openucx/ucx#11283. See docs/DEPLOYMENT.md, Multi-handle arenas. "
                 "MX_REFUSE_SLOW_TRANSPORT=1 turns this into an error.")
     if expected == "rdma":
