@@ -448,11 +448,15 @@ def test_target_pulls_from_a_source_process(mx_env, model_dir, reference, tmp_pa
 def test_pull_failing_midway_falls_back_and_recreates(mx_env, model_dir, tmp_path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     """The source's bytes stop matching its digests: the READ lands in the model, the
-    check fails, the loader re-creates the model and loads it from disk."""
+    check fails, the loader re-creates the model and loads it from disk.
+
+    The source changes its model's own weight, so it must serve the model's memory:
+    with the local transport on, a CPU source serves a memfd copy of its loaded form
+    instead (the real-engine test corrupts that copy through /proc/PID/mem)."""
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, seed=7)
     disk = logits(build_model(make_vllm_config(ckpt), "auto"))
-    source = SourceProc(ckpt, mx_env, tmp_path, corrupt=True)
+    source = SourceProc(ckpt, mx_env, tmp_path, corrupt=True, env={"MX_IPC_DIR": "off"})
     try:
         with caplog.at_level(logging.INFO, logger="modelexpress.engines.vllm.loader"):
             model, ours = _load(make_vllm_config(ckpt, "mx", {"mx_serve_after_pull": False,
