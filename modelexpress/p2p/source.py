@@ -151,7 +151,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                  attributes: Mapping[str, Any] | None = None,
                  guardian: bool = False, backend: str = "UCX",
                  local: "LocalOptions | None" = None,
-                 host_buffers: Sequence["HostBuffer"] = ()) -> SourceHandle:
+                 host_buffers: Sequence["HostBuffer"] = (),
+                 own_host_buffers: bool = True) -> SourceHandle:
     """Register ``tensors`` with NIXL and publish them as a READY source.
 
     Args:
@@ -188,6 +189,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         host_buffers: the memfd-backed buffers CPU ``tensors`` live in
             (``checkpoint.load_checkpoint_shared``, ``local.host_buffer_like``); the
             handle closes them when it closes (views of them keep their pages).
+        own_host_buffers: False: the caller keeps ``host_buffers`` open after the
+            handle closes (a pool that serves version after version from them).
 
     Returns:
         A :class:`SourceHandle`; close it to withdraw.
@@ -247,7 +250,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                         manifest_bytes=len(manifest_json),
                         heartbeat_interval_s=heartbeat_interval_s, owns_manager=owns,
                         tensors=tensors, guardian=guard, local=local_source,
-                        host_buffers=host_buffers)
+                        host_buffers=host_buffers if own_host_buffers else ())
 
 
 def _serve_locally(local: "LocalOptions", tensors: Mapping[str, "torch.Tensor"], arena: Any,

@@ -216,6 +216,7 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
                               "source=ModuleSource(model) (or any WeightSource)")
         if init_info.shards < 1:
             raise ConfigError(f"shards must be >= 1 (got {init_info.shards})")
+        from modelexpress.local import LocalOptions
         from modelexpress.settings import MxSettings
 
         settings = MxSettings()
@@ -229,7 +230,8 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
             pool = VersionPool(mx_client, init_info.model, slots=init_info.slots,
                                shard=init_info.rank, shards=init_info.shards,
                                heartbeat_interval_s=settings.heartbeat_interval_s,
-                               backend=settings.nixl_backend)
+                               backend=settings.nixl_backend,
+                               local=LocalOptions.from_settings(settings))
         engine = cls(client=client, source=source, is_sender=init_info.is_sender,
                      init_info=init_info, pool=pool)
         if engine.is_sender:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     import torch
 
     from modelexpress.client import MxClient
+    from modelexpress.local import HostBuffer, LocalOptions
     from modelexpress.p2p.source import SourceHandle
     from modelexpress.transfer import NixlTransferManager
 
@@ -92,6 +93,7 @@ def version_identity(model: str, version: str, *, dtype: str = "mixed", shard: i
 class _Slot:
     index: int
     buffers: dict[str, "torch.Tensor"] = dataclasses.field(default_factory=dict)
+    host: "HostBuffer | None" = None  # the memfd the buffers are views of (local transport)
     manager: "NixlTransferManager | None" = None
     handle: "SourceHandle | None" = None
     version: str | None = None
@@ -137,11 +139,14 @@ class VersionPool:
         backend: NIXL backend of the slots' agents (``MX_NIXL_BACKEND``).
         guardian: start a guardian per source, so a killed trainer's versions turn STALE
             at once instead of when the server times them out.
+        local: serve engines on this host over the local transport too
+            (``LocalOptions.from_settings``); the slots' buffers are then memfd-backed.
+            None or ``MX_IPC_DIR=off``: NIXL only.
     """
 
     def __init__(self, client: "MxClient", model: str, *, slots: int = 2, shard: int = 0,
                  shards: int = 1, heartbeat_interval_s: float = 5.0, backend: str = "UCX",
-                 guardian: bool = True) -> None:
+                 guardian: bool = True, local: "LocalOptions | None" = None) -> None:
         if slots < 1:
             raise ConfigError(f"a version pool needs at least 1 slot (got {slots})")
         if not model:
@@ -154,6 +159,7 @@ class VersionPool:
         self._heartbeat_s = heartbeat_interval_s
         self._backend = backend
         self._guardian = guardian
+        self._local = local if local is not None and local.enabled else None
         self._slots = [_Slot(i) for i in range(slots)]
         self._lock = threading.Lock()
         self._closed = False
@@ -205,7 +211,9 @@ class VersionPool:
                                        manager=self._manager(slot), digests=True,
                                        heartbeat_interval_s=self._heartbeat_s,
                                        attributes={"mx_rl_version": version},
-                                       guardian=self._guardian)
+                                       guardian=self._guardian, local=self._local,
+                                       host_buffers=(slot.host,) if slot.host else (),
+                                       own_host_buffers=False)
             slot.version = version
             slot.published_at = time.monotonic()
             t2 = time.perf_counter()
@@ -239,7 +247,17 @@ class VersionPool:
             if slot.manager is not None:  # its registrations cover the old buffers
                 slot.manager.close()
                 slot.manager = None
-            slot.buffers = {n: torch.empty(shape, dtype=dtype) for n, shape, dtype in layout}
+            if slot.host is not None:
+                slot.host.close()  # views still held elsewhere keep their pages
+                slot.host = None
+            if self._local is not None:
+                from modelexpress.local import host_buffer_like
+
+                slot.host, slot.buffers = host_buffer_like(
+                    {n: t for n, t in incoming}, copy=False, name=f"mx-rl-{self.model}")
+            else:
+                slot.buffers = {n: torch.empty(shape, dtype=dtype)
+                                for n, shape, dtype in layout}
         nbytes = 0
         with torch.no_grad():
             for name, tensor in incoming:
@@ -301,6 +319,9 @@ class VersionPool:
                 if slot.manager is not None:
                     slot.manager.close()
                     slot.manager = None
+                if slot.host is not None:
+                    slot.host.close()
+                    slot.host = None
                 slot.buffers = {}
 
     def __enter__(self) -> VersionPool:

@@ -18,6 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
 from mx_server_procs import TOKEN, ServerProc  # noqa: E402
 
 from modelexpress.errors import ConfigError  # noqa: E402
+from modelexpress.local import LocalOptions  # noqa: E402
 from modelexpress.rl import VersionBusyError, VersionPool, version_identity  # noqa: E402
 
 pytestmark = [pytest.mark.nixl]
@@ -33,7 +34,7 @@ got = {}
 with MxClient(url, token=token, timeout_s=30, retries=1) as client:
     r = pull(ModelIdentity.from_dict(ident), None, client=client, on_destination=got.update,
              options=PullOptions(timeout_s=60, track=False))
-print(json.dumps({"verified": r.verified, "sums": {n: float(t.double().sum()) for n, t in got.items()}}))
+print(json.dumps({"verified": r.verified, "transport": r.transport, "sums": {n: float(t.double().sum()) for n, t in got.items()}}))
 """
 
 
@@ -71,8 +72,11 @@ def test_version_identities_differ_by_version_and_name_the_shard() -> None:
         version_identity("run", "1", shard=2, shards=2)
 
 
-def test_versions_reuse_the_pools_buffers_and_withdraw_the_oldest(client) -> None:  # noqa: ANN001
-    with VersionPool(client, "run-a", slots=2, heartbeat_interval_s=1.0, guardian=False) as pool:
+@pytest.mark.parametrize("local", [LocalOptions(ipc_dir="off"), LocalOptions()],
+                         ids=["nixl-only", "local-transport"])
+def test_versions_reuse_the_pools_buffers_and_withdraw_the_oldest(client, local) -> None:  # noqa: ANN001
+    with VersionPool(client, "run-a", slots=2, heartbeat_interval_s=1.0, guardian=False,
+                     local=local) as pool:
         first = pool.publish("1", _weights(1).items())
         second = pool.publish("2", _weights(2).items())
         addresses, nbytes = sorted(pool.buffer_addresses()), pool.buffer_bytes()
@@ -104,8 +108,15 @@ def test_a_version_with_an_update_in_flight_is_never_overwritten(client) -> None
             pool.publish("2", _weights(2).items())
 
 
-def test_a_puller_process_gets_the_newest_version_verified(server, client) -> None:  # noqa: ANN001
-    with VersionPool(client, "run-c", slots=2, heartbeat_interval_s=1.0, guardian=False) as pool:
+@pytest.mark.parametrize("local, transport", [(LocalOptions(ipc_dir="off"), "cma"),
+                                              (LocalOptions(), "local")],
+                         ids=["nixl", "local-transport"])
+def test_a_puller_process_gets_the_newest_version_verified(server, client, local,  # noqa: ANN001
+                                                           transport: str) -> None:
+    """An engine on this host reads the version over the local transport when the pool
+    serves it (memfd-backed slots), over NIXL otherwise."""
+    with VersionPool(client, "run-c", slots=2, heartbeat_interval_s=1.0, guardian=False,
+                     local=local) as pool:
         pool.publish("1", _weights(1).items())
         newest = pool.publish("2", _weights(2).items())
         run = subprocess.run([sys.executable, "-c", _PULL, server.url, TOKEN,
@@ -114,5 +125,6 @@ def test_a_puller_process_gets_the_newest_version_verified(server, client) -> No
         assert run.returncode == 0, run.stderr[-3000:]
         out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["verified"] is True
+    assert out["transport"] == transport
     expected = {n: float(t.double().sum()) for n, t in _weights(2).items()}
     assert out["sums"] == pytest.approx(expected, rel=0, abs=0)
