@@ -92,6 +92,11 @@ _PULLED_RE = re.compile(
 _READ_RE = re.compile(
     r"\] read \d+ bytes \(.*?\) from \S+ in (?P<s>[\d.]+) s \(\+(?P<connect>[\d.]+) s "
     r"connecting\): [\d.]+ GB/s over [^;]+; digests [^;]*? in (?P<digests>[\d.]+) s")
+# The local transport's line per read (modelexpress/local/client.py): the copy is its
+# data plane, connecting and mapping the source's memory its connect.
+_LOCAL_READ_RE = re.compile(
+    r"local pull from \S+: \d+ bytes, \d+ tensors, \d+ copies in [\d.]+ s \(connect\+map "
+    r"(?P<connect>[\d.]+) s, copy (?P<s>[\d.]+) s at [\d.]+ GB/s, digests (?P<digests>[\d.]+) s\)")
 # Every line of ours, shown when an engine fails (why a pull fell back, say).
 _LOADER_LINE_RE = re.compile(r"^.*modelexpress: .*$", re.MULTILINE)
 # vLLM 0.32 (model_executor/model_loader/default_loader.py, v1/engine/core.py).
@@ -167,7 +172,7 @@ def parse_log(case: str, ready_s: float, log: str) -> EngineRun:
     if m := _PULLED_RE.search(log):
         run.pull_gbps, run.transport = float(m["gbps"]), m["transport"]
         run.digests, run.probe = m["digests"], m["probe"].strip()
-    reads = list(_READ_RE.finditer(log))
+    reads = list(_READ_RE.finditer(log)) + list(_LOCAL_READ_RE.finditer(log))
     if reads:
         run.read_s = sum(float(m["s"]) for m in reads)
         run.connect_s = sum(float(m["connect"]) for m in reads)

@@ -18,10 +18,17 @@ import torch
 from modelexpress.checkpoint import load_checkpoint, save_checkpoint
 from modelexpress.errors import OutputError, OutputExistsError
 
-# A child that writes 8 shards of 32 MiB: long enough to be caught mid-write.
+# A child that writes 8 shards of 32 MiB, pausing 0.3 s after each, so that a signal
+# sent once the first shard is on disk lands mid-write even on a fast, idle machine.
 _WRITER = """
-import os, sys, torch
+import os, sys, time, torch
+import safetensors.torch as st
 from modelexpress.checkpoint import save_checkpoint
+_save = st.save_file
+def _slow_save(*args, **kwargs):
+    _save(*args, **kwargs)
+    time.sleep(0.3)
+st.save_file = _slow_save
 os.umask(int(sys.argv[2], 8))
 tensors = {f"t{i}": torch.full((8 << 20,), i, dtype=torch.float32) for i in range(8)}
 save_checkpoint(tensors, sys.argv[1], shard_bytes=32 << 20)

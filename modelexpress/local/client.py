@@ -396,8 +396,10 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
         kinds[s.kind] = kinds.get(s.kind, 0) + 1
     seconds = time.monotonic() - t0
     gbps = total / phases["copy"] / 1e9 if phases.get("copy") else 0.0
-    log.info("local pull from %s: %d bytes, %d tensors, %d copies in %.3f s (copy %.1f GB/s)",
-             session.peer, total, len(pairs), n_copies, seconds, gbps)
+    log.info("local pull from %s: %d bytes, %d tensors, %d copies in %.3f s (connect+map "
+             "%.3f s, copy %.3f s at %.1f GB/s, digests %.3f s)", session.peer, total, len(pairs),
+             n_copies, seconds, phases.get("connect+map", 0.0), phases.get("copy", 0.0), gbps,
+             phases.get("verify", 0.0))
     return LocalPullResult(transport=TRANSPORT, nbytes=total, tensors=len(pairs), copies=n_copies,
                            segments=kinds, seconds=seconds, gbps=gbps, verified=verified,
                            phases=phases)
@@ -495,9 +497,9 @@ def _verify(manifest: "Manifest", pairs: Sequence[Any], tensors: Mapping[str, "t
     bad = [(p.name, p.remote.digest, g) for p, g in zip(todo, got) if g != p.remote.digest]
     if bad:
         name, want, have = bad[0]
-        raise IntegrityError(f"{len(bad)} tensor(s) from {peer} failed the {algo} check, e.g. "
-                             f"{name!r}: expected {want}, got {have}; the source's memory changed "
-                             "or a copy failed: try another source")
+        raise IntegrityError(f"{len(bad)} tensor(s) from {peer} failed its {algo} digest "
+                             f"check, e.g. {name!r}: expected {want}, got {have}; the source's "
+                             "memory changed or a copy failed: try another source")
     return len(todo)
 
 

@@ -14,11 +14,10 @@ a fresh process makes before any byte can move.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
-from modelexpress.errors import PeerError, TransferTimeoutError
+from modelexpress.errors import PeerError
 
 if TYPE_CHECKING:
     import torch
@@ -101,50 +100,51 @@ class NixlReader:
 
 
 class AgentStart:
-    """A NIXL manager being created (and a known destination registered) in a thread.
+    """A NIXL manager being created (and a known destination registered).
 
-    NIXL's agent creation spends its time in C with the GIL released (UCX contexts
-    and workers), so it overlaps Python work on the calling thread: a fresh process's
-    ``import torch``, the control-plane calls. A destination on a GPU needs its CUDA
+    It is created on the calling thread, before anything else runs. It once ran in a
+    thread, to overlap a fresh process's ``import torch`` and the control-plane calls;
+    a striped pull then aborted in glibc ("break adjusted to free malloc space") in
+    CI: UCX installs its memory hooks (UCM, which follow malloc's heap through brk)
+    while the agent starts, and other threads allocating at that moment can corrupt
+    the heap (UCX's own CI has hit the same abort). On a 2-core machine the overlap
+    also saved nothing (bench/p2p.py --small). A destination on a GPU needs its CUDA
     context before UCX starts (``nixl_adapter._ensure_cuda_context``): pass that
-    device, and the thread makes it current first.
+    device, and it is made current first.
 
     Args:
         backend: NIXL backend plugin.
         device: the destination's CUDA device, or None for host memory.
-        register: destination tensors to register once the agent exists (their
-            registration then overlaps the manifest fetch too).
-        timeout_s: how long :meth:`get` waits.
+        register: destination tensors to register once the agent exists.
 
     Attributes:
-        seconds: how long creating (and registering) took in the thread, once finished.
+        seconds: how long creating (and registering) took.
         registered: ``register`` was given and is registered.
     """
 
     def __init__(self, backend: str, device: "torch.device | None" = None, *,
-                 register: "Mapping[str, torch.Tensor] | None" = None,
-                 timeout_s: float = 120.0) -> None:
+                 register: "Mapping[str, torch.Tensor] | None" = None) -> None:
         self._manager: "NixlTransferManager | None" = None
         self._error: BaseException | None = None
-        self._timeout_s = timeout_s
         self.seconds = 0.0
         self.registered = False
-        self._thread = threading.Thread(target=self._create, args=(backend, device, register),
-                                        daemon=True, name="mx-nixl-agent")
-        self._thread.start()
+        self._create(backend, device, register)
 
     def _create(self, backend: str, device: "torch.device | None",
                 register: "Mapping[str, torch.Tensor] | None") -> None:
         t0 = time.perf_counter()
         try:
+            from modelexpress.transfer import NixlTransferManager
+
             if device is not None and device.type == "cuda":
                 import torch
 
-                # The current CUDA device is per thread; NIXL creates its context on it.
-                torch.cuda.set_device(device)
-            from modelexpress.transfer import NixlTransferManager
-
-            self._manager = NixlTransferManager(backend=backend)
+                # NIXL creates its CUDA context on the current device; the caller's
+                # current device is restored afterwards.
+                with torch.cuda.device(device):
+                    self._manager = NixlTransferManager(backend=backend)
+            else:
+                self._manager = NixlTransferManager(backend=backend)
             if register:
                 self._manager.register_tensors(dict(register))
                 self.registered = True
@@ -153,27 +153,19 @@ class AgentStart:
         finally:
             self.seconds = time.perf_counter() - t0
 
-    def _join(self) -> None:
-        self._thread.join(self._timeout_s)
-        if self._thread.is_alive():
-            raise TransferTimeoutError(f"the NIXL agent did not start within {self._timeout_s:.0f} "
-                                       "s; check UCX's configuration (UCX_TLS, UCX_NET_DEVICES)")
-
     def get(self) -> "NixlTransferManager":
         """The manager; raises what creating it raised.
 
         Raises:
-            TransferTimeoutError: it did not start within ``timeout_s``.
+            what creating the manager raised.
         """
-        self._join()
         if self._error is not None:
             raise self._error
         assert self._manager is not None
         return self._manager
 
     def close(self) -> None:
-        """Close the manager (after the thread finished). Idempotent."""
-        self._join()
+        """Close the manager. Idempotent."""
         if self._manager is not None:
             self._manager.close()
             self._manager = None

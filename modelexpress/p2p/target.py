@@ -206,9 +206,9 @@ class _Nixl:
 
     A pull whose sources are all on this host (the local transport) never creates a
     NIXL agent nor registers its destination: both cost more than a small local copy
-    (docs/benchmarks.md, "Local transport"). When NIXL is known to be needed early,
-    :meth:`start` creates the agent in a thread (overlapping imports and the control
-    plane); otherwise :meth:`get` creates it on first use.
+    (docs/benchmarks.md, "Local transport"). When the first sources to read need NIXL,
+    :meth:`start` creates the agent before the READs begin; otherwise :meth:`get`
+    creates it on first use (a local read that fell back to NIXL).
     """
 
     def __init__(self, manager: "NixlTransferManager | None", opts: PullOptions,
@@ -222,7 +222,7 @@ class _Nixl:
         self._lock = threading.Lock()
 
     def start(self, dest: Mapping[str, "torch.Tensor"] | None) -> None:
-        """Begin creating the agent (registering ``dest`` if known) in a thread."""
+        """Create the agent (registering ``dest`` if known)."""
         if self.manager is None and self.start_ is None:
             self.start_ = _start_agent(self.opts, dest)
 
@@ -419,13 +419,6 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
     deadline = _Deadline(opts.timeout_s)
     nixl = _Nixl(manager, opts, clock)
     factory = _compose(readers, _local_factory(opts))
-    # Without the local transport every source is read over NIXL: the agent starts now,
-    # in a thread, while this one talks to the control plane and imports torch. A GPU
-    # destination's CUDA context must exist before UCX starts: with no destination yet,
-    # the agent waits until torch is imported and the device known. With it, the agent
-    # waits until the manifests say whether a source it will read needs NIXL.
-    if not opts.local.enabled and (dest is not None or opts.device == "cpu"):
-        nixl.start(dest)
     tracker = record
     own_record: TransferTracker | None = None
     try:
@@ -452,13 +445,13 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
                   for info, manifest in sources}
         first = sources[:opts.stripe] if opts.stripe > 1 else sources[:1]
         needs_nixl = any(chosen[info.id] is None for info, _ in first)
-        if needs_nixl and (dest is not None or opts.device == "cpu"):
-            nixl.start(dest)
         with clock.phase("imports"):
             import torch  # noqa: F401 - a fresh process pays this here, on the critical path
             from modelexpress.transfer.planner import plan_read
         if needs_nixl:
-            nixl.start(dest)
+            # On this thread, before any READ thread exists (see AgentStart).
+            with clock.phase("agent_wait"):
+                nixl.start(dest)
         if dest is None:
             with clock.phase("allocate"):
                 dest = allocate_like(sources[0][1], opts.device)
