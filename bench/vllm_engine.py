@@ -95,7 +95,7 @@ _READ_RE = re.compile(
 # The local transport's line per read (modelexpress/local/client.py): the copy is its
 # data plane, connecting and mapping the source's memory its connect.
 _LOCAL_READ_RE = re.compile(
-    r"local pull from \S+: \d+ bytes, \d+ tensors, \d+ copies in [\d.]+ s \(connect\+map "
+    r"local pull from .+?: \d+ bytes, \d+ tensors, \d+ copies in [\d.]+ s \(connect\+map "
     r"(?P<connect>[\d.]+) s, copy (?P<s>[\d.]+) s at [\d.]+ GB/s, digests (?P<digests>[\d.]+) s\)")
 # Every line of ours, shown when an engine fails (why a pull fell back, say).
 _LOADER_LINE_RE = re.compile(r"^.*modelexpress: .*$", re.MULTILINE)
