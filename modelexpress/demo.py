@@ -277,15 +277,15 @@ def _seconds(nbytes: int, gbps: float) -> float:
 _PHASE_LABELS = {
     "imports": "importing torch and the transfer layer",
     "control_plane": "control plane (record, candidates, manifest)",
-    "agent_wait": "waiting for the NIXL agent",
+    "agent_wait": "creating the NIXL agent (only when a source needs NIXL)",
     "allocate": "allocating the destination",
     "register": "registering the destination",
     "peer": "loading the source's agent metadata",
     "connect": "connecting to the source",
     "data_plane": "data plane (the bytes)",
-    "close": "dropping the pull's NIXL agent",
+    "close": "dropping the pull's NIXL agent (if it made one)",
     "other": "validation, planning, bookkeeping",
-    "agent": "[overlapped] creating the NIXL agent",
+    "agent": "[included above] NIXL agent creation",
     "verify": "[overlapped] digests, alongside the data plane",
 }
 
@@ -328,7 +328,7 @@ def render_summary(result: DemoResult, ref: GpuReference) -> str:
     if before_exit is not None and all(cmd.get(k) is not None for k in known):
         row("the rest (settings, HTTP client, progress bar)",
             max(0.0, before_exit - sum(cmd[k] for k in known)))
-    row("process exit (interpreter, NIXL teardown)",
+    row("process exit (interpreter teardown)",
         None if before_exit is None else max(0.0, result.pull_command_seconds - before_exit))
     if ref.note:
         lines.append(f"  on a GPU    {ref.note}")

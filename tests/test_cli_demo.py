@@ -33,7 +33,7 @@ def test_gpu_figures_are_the_recorded_logs() -> None:
                f"{pull.end_to_end_gbps:.2f} GB/s end to end" in log
     text = render_summary(_result(), ref)
     assert GPU_LOG in text and "no recorded GPU run has them" in text
-    assert "process exit (interpreter, NIXL teardown)" in text
+    assert "process exit (interpreter teardown)" in text
 
 
 def test_without_the_logs_the_demo_says_so(tmp_path: pathlib.Path) -> None:
