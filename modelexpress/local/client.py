@@ -405,6 +405,9 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
                            phases=phases)
 
 
+_COPY_STREAMS = 4  # side streams device copies are spread over
+
+
 class _Runner:
     """Runs the chunks: checks, enqueues, retires; ``done`` counts completed bytes."""
 
@@ -413,6 +416,14 @@ class _Runner:
         import torch
         self.session, self.total, self.progress = session, total, progress
         self.stream = torch.cuda.current_stream(device) if device is not None else None
+        # Device copies go round-robin over a few side streams, so that one copy's launch
+        # and DMA setup overlap the previous copy (a rank of many separate allocations
+        # is hundreds of copies); each chunk ends with the main stream waiting on them.
+        self.side: list[Any] = []
+        if self.stream is not None:
+            self.side = [torch.cuda.Stream(device) for _ in range(_COPY_STREAMS)]
+            for side in self.side:
+                side.wait_stream(self.stream)  # after whatever the caller enqueued
         self.in_flight: list[tuple[Any, int]] = []   # (event, bytes), oldest first
         self.done = 0
 
@@ -436,6 +447,8 @@ class _Runner:
             self.retire(0)
         except BaseException:
             # ORDER: copies already enqueued read the mappings the caller unmaps next.
+            for stream in self.side:
+                stream.synchronize()
             if self.stream is not None:
                 self.stream.synchronize()
             raise
@@ -454,7 +467,7 @@ class _Runner:
 
     def _chunk(self, chunk: Sequence[_Copy]) -> None:
         import torch
-        host_bytes = dev_bytes = 0
+        host_bytes = dev_bytes = n_dev = 0
         for c in chunk:
             if c.host:
                 _host_view(c.dst, c.nbytes).copy_(_host_view(c.src, c.nbytes))
@@ -462,11 +475,15 @@ class _Runner:
             else:
                 from modelexpress.local.cuda import memcpy_async
                 assert self.stream is not None, "a device copy needs a stream"
-                memcpy_async(c.dst, c.src, c.nbytes, self.stream.cuda_stream)
+                side = self.side[n_dev % len(self.side)]
+                memcpy_async(c.dst, c.src, c.nbytes, side.cuda_stream)
                 dev_bytes += c.nbytes
+                n_dev += 1
         if host_bytes:
             self._advance(host_bytes)
         if dev_bytes:
+            for side in self.side[:n_dev]:
+                self.stream.wait_stream(side)
             ev = torch.cuda.Event()
             ev.record(self.stream)
             self.in_flight.append((ev, dev_bytes))
