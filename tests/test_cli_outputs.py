@@ -21,7 +21,10 @@ from modelexpress.errors import OutputError, OutputExistsError
 # A child that writes 8 shards of 32 MiB, pausing 0.3 s after each, so that a signal
 # sent once the first shard is on disk lands mid-write even on a fast, idle machine.
 _WRITER = """
-import os, sys, time, torch
+import os, signal, sys, time, torch
+# A child of a background job starts with SIGINT ignored (the shell's rule for '&'), and
+# Python then installs no KeyboardInterrupt handler: restore it, as in a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import safetensors.torch as st
 from modelexpress.checkpoint import save_checkpoint
 _save = st.save_file
