@@ -21,7 +21,6 @@ at the source is contiguous here and is copied as one block::
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -31,6 +30,8 @@ from typing import TYPE_CHECKING
 
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import BackendError, ConfigError, PeerError
+# The libc bindings the host VMM backend already declares (mmap/munmap with errno).
+from modelexpress.vmm.host import _MAP_FAILED, _MAP_NORESERVE, _mmap, _munmap
 
 if TYPE_CHECKING:
     import torch
@@ -47,20 +48,9 @@ _MAP_SHARED = mmap.MAP_SHARED
 _MAP_PRIVATE = mmap.MAP_PRIVATE
 _MAP_ANONYMOUS = mmap.MAP_ANONYMOUS
 _MAP_FIXED = 0x10
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-_MAP_FAILED = ctypes.c_void_p(-1).value
 # Segments further apart than this start a new group (a new reserved range): the
 # reservation costs no memory, but a pathological layout must not reserve terabytes.
 MAX_GROUP_GAP = 1 << 36
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                  ctypes.c_int, ctypes.c_long]
-_munmap = _libc.munmap
-_munmap.restype = ctypes.c_int
-_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def _errno_text() -> str:
