@@ -23,6 +23,15 @@ the model is touched: the engine keeps its previous weights and the error names 
 version and the reason. Why staging rather than loading as bytes arrive: a layerwise
 load started on partial data cannot be undone, and the staged copy is what lets an
 update be all-or-nothing. Its memory is one copy of the trainer's tensors, reused.
+
+Serving: an RL engine serves nothing. Its staging is never published (``pull`` into
+it publishes no source), and a model that ``--load-format mx`` published after its
+load from disk is withdrawn (marked STALE) when the engine initializes and again
+before every load: the weights change under that source with each update, so a
+peer that pulled it would get a weight version under the base model's identity (its
+digests would fail, or worse, a probe would not catch a version that happens to
+pass). Engines that need version ``v`` pull it from the trainer's version pool
+(``modelexpress.rl``), which serves it under ``v``'s own identity.
 """
 
 from __future__ import annotations
@@ -126,6 +135,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         # control plane, and one record per engine per step would flood it.
         self._options = PullOptions.from_settings(settings, track=False, device="cpu")
         self._backend = settings.nixl_backend
+        self._stop_serving()
         log.info("mx weight transfer: run %s via %s", init_info.model, ",".join(client.base_urls))
 
     def start_weight_update(self) -> None:
@@ -162,6 +172,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             log.error("%s", self.last_error)
             raise WeightUpdateError(self.last_error) from exc
         t1 = time.perf_counter()
+        self._stop_serving()  # the target model may have been changed since init
         self._load(staged)
         t2 = time.perf_counter()
         self.version, self.last_error = version, None
@@ -207,6 +218,16 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             staged.extend(got.items())
             nbytes += result.bytes
         return staged, nbytes
+
+    def _stop_serving(self) -> None:
+        """Withdraw the source the mx loader published for the model (module docstring)."""
+        from modelexpress.engines.vllm.loader import stop_serving
+
+        model = getattr(self, "model", None)
+        if model is not None and stop_serving(model):
+            log.info("mx weight transfer: stopped serving the weights %s loaded at start: an "
+                     "RL engine's weights change with every update, so it serves none; "
+                     "engines pull versions from the trainer", self._model_name or "the model")
 
     def _agent(self) -> Any:
         if self._manager is None:
