@@ -296,7 +296,8 @@ class MxModelLoader(BaseModelLoader):
                 report.pull_result = result
                 keep = self.options.serve_after_pull
                 loaded = self._finish(model, model_config, device, report, keep=keep,
-                                      probe=self.options.probe, tensors=tensors)
+                                      probe=self.options.probe, tensors=tensors,
+                                      verified=(result.digest_algorithm, result.digests))
                 if self.options.probe:
                     self._check_probe(loaded, result, report)
         except MxError as exc:
@@ -324,7 +325,8 @@ class MxModelLoader(BaseModelLoader):
 
     def _finish(self, model: nn.Module, model_config: ModelConfig, device: torch.device,
                 report: LoadReport, *, keep: bool, probe: bool,
-                tensors: dict[str, torch.Tensor] | None = None) -> _Loaded:
+                tensors: dict[str, torch.Tensor] | None = None,
+                verified: tuple[str | None, Any] = (None, {})) -> _Loaded:
         """Post-process the freshly filled model; keep its loaded form if it will be served.
 
         Args:
@@ -332,6 +334,8 @@ class MxModelLoader(BaseModelLoader):
                 before and after, that post-processing left their bytes alone.
             probe: compute the behavioural probe afterwards.
             tensors: the loaded form if already collected (the pull's destination).
+            verified: ``(algorithm, name -> digest)`` the pull checked ``tensors``
+                against (``PullResult.digests``): reused instead of a second pass.
         """
         from modelexpress.transfer import digest as _digest
 
@@ -339,9 +343,15 @@ class MxModelLoader(BaseModelLoader):
         if keep:
             loaded.tensors = tensors if tensors is not None else collect_loaded_tensors(model)
             values = list(loaded.tensors.values())
-            loaded.digest_algorithm = _digest.default_algorithm(values)
-            loaded.digests = dict(zip(loaded.tensors,
-                                      _digest.digest_many(values, loaded.digest_algorithm)))
+            algo, known = verified
+            if algo and known and set(loaded.tensors) <= set(known):
+                # The pull verified these very bytes against the source's digests.
+                loaded.digest_algorithm = algo
+                loaded.digests = {name: known[name] for name in loaded.tensors}
+            else:
+                loaded.digest_algorithm = _digest.default_algorithm(values)
+                loaded.digests = dict(zip(loaded.tensors,
+                                          _digest.digest_many(values, loaded.digest_algorithm)))
         tensors = None  # not kept unless serving: post-processing may free what it replaces
         t0 = time.perf_counter()
         _post_process(model, model_config, device)

@@ -82,6 +82,10 @@ class PullResult:
             keeps its own, ``track=False``).
         verdict: the rate verdict over the sources read: ``ok``, ``slow`` (a READ was
             judged a fallback: see ``warnings``) or ``unknown`` (none was judged).
+        digest_algorithm, digests: when ``verified``, the algorithm and the source
+            digests every received tensor matched (name -> digest), so a caller that
+            needs the digests of what it received need not compute them again; None
+            and empty otherwise.
         phases: where ``total_seconds`` went, in seconds (keys in :data:`PHASES`). On
             the critical path, summing to ``total_seconds``: ``imports`` (torch and the
             transfer layer, when this call imported them), ``control_plane`` (the
@@ -116,6 +120,8 @@ class PullResult:
     transport_detail: str = ""
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
     verdict: str = "unknown"
+    digest_algorithm: str | None = None
+    digests: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-able form (for ``--json`` output)."""
@@ -123,6 +129,8 @@ class PullResult:
         data["skipped"] = [dataclasses.asdict(s) for s in self.skipped]
         data["source_attributes"] = {k: dict(v) for k, v in self.source_attributes.items()}
         data["phases"] = dict(self.phases)
+        # one digest per tensor is the manifest's business, not a pull's report
+        data.pop("digests")
         return data
 
 
@@ -609,13 +617,15 @@ def _result(results: list, puller: _Puller, sources: list, clock: _Clock,  # noq
     nbytes = sum(r.bytes for _, r in results)
     verdicts = {_verdict(r) for _, r in results}
     attributes = {info.id: manifest.attributes for info, manifest in sources}
+    verified = all(r.verified for _, r in results)
+    algo, digests = _verified_digests(results, sources, puller) if verified else (None, {})
     return PullResult(
         source_ids=tuple(info.id for info, _ in results), bytes=nbytes, seconds=seconds,
         gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
         transport=",".join(sorted({r.transport for _, r in results})),
         descriptors=sum(r.descriptors for _, r in results),
         tensors=sum(r.tensors for _, r in results),
-        verified=all(r.verified for _, r in results), skipped=tuple(puller.skipped),
+        verified=verified, skipped=tuple(puller.skipped),
         warnings=tuple(puller.warnings) + tuple(w for _, r in results for w in r.warnings),
         total_seconds=clock.total(),
         verify_seconds=sum(r.verify_seconds for _, r in results),
@@ -625,7 +635,27 @@ def _result(results: list, puller: _Puller, sources: list, clock: _Clock,  # noq
         expected_transport=",".join(sorted({r.expected_transport for _, r in results})),
         transport_detail="; ".join(dict.fromkeys(r.transport_detail for _, r in results)),
         verdict="slow" if "slow" in verdicts else "ok" if verdicts == {"ok"} else "unknown",
-        phases=_phases(clock, results, puller, agent_s))
+        phases=_phases(clock, results, puller, agent_s), digest_algorithm=algo,
+        digests=digests)
+
+
+def _verified_digests(results: list, sources: list, puller: _Puller  # noqa: ANN001
+                      ) -> tuple[str | None, dict[str, str]]:
+    """The digests the received tensors were verified against, from the manifests of
+    the sources that delivered them (one algorithm, every destination covered), else
+    ``(None, {})``."""
+    manifests = {info.id: manifest for info, manifest in sources}
+    delivered = [manifests[info.id] for info, _ in results if info.id in manifests]
+    algos = {m.digest_algorithm for m in delivered}
+    if len(algos) != 1 or None in algos:
+        return None, {}
+    digests: dict[str, str] = {}
+    for m in delivered:
+        digests.update((e.name, e.digest) for e in m.tensors
+                       if e.digest is not None and e.name in puller.dest)
+    if set(digests) != set(puller.dest):
+        return None, {}
+    return algos.pop(), digests
 
 
 def _phases(clock: _Clock, results: list, puller: _Puller,  # noqa: ANN001
