@@ -11,6 +11,8 @@ keeps the two in sync. Each field's ``section`` groups it in that table.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import logging
 import os
 import pathlib
@@ -21,8 +23,8 @@ import pydantic
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["MxSettings", "STORE_SCHEMES", "env_table_markdown", "settings_error_line",
-           "write_env_table"]
+__all__ = ["MxSettings", "NIXL_BACKENDS", "STORE_SCHEMES", "env_table_markdown",
+           "nixl_plugins", "settings_error_line", "write_env_table"]
 
 _TIB = 1 << 40
 _MIB = 1 << 20
@@ -61,8 +63,9 @@ class MxSettings(BaseSettings):
     nixl_backend: str = _field(
         "UCX", "transfer",
         "NIXL backend plugin of every agent modelexpress creates (publish, pull, agent, vLLM "
-        "loader): one the installed NIXL offers, e.g. UCX or LIBFABRIC. The observed "
-        "transport is read only for UCX.")
+        "loader): one the installed NIXL offers, e.g. UCX or LIBFABRIC (checked at start-up "
+        "against the installed NIXL's plugins; without NIXL, against NIXL's plugin names). "
+        "The observed transport is read only for UCX.")
     transfer_timeout_s: float = _field(
         600.0, "transfer", "Deadline for one whole transfer, in seconds.", gt=0)
     transfer_stall_s: float = _field(
@@ -132,7 +135,8 @@ class MxSettings(BaseSettings):
     ipc_dir: str = _field(
         "/dev/shm/modelexpress", "p2p",
         "Directory shared by every process of a node (a hostPath in Kubernetes) where sources "
-        "put the Unix sockets of the local transport; `off` disables that transport.")
+        "put the Unix sockets of the local transport; `off` disables that transport. At most "
+        "82 bytes (a socket path is limited to 107), checked at start-up.")
     vllm_probe: bool = _field(
         True, "p2p",
         "vLLM loader: a source publishes its model's output on a fixed probe input; a "
@@ -173,6 +177,52 @@ class MxSettings(BaseSettings):
                     raise ValueError(f"{old} (now MX_{field.upper()}): {os.environ[old]!r} is "
                                      f"not valid; use {_BOOLS}") from None
                 object.__setattr__(self, field, value)
+        return self
+
+    @field_validator("nixl_backend")
+    @classmethod
+    def _check_nixl_backend(cls, value: str) -> str:
+        # Checked here, at start-up, not at the first cross-host pull: a pull that takes
+        # the local transport never creates an agent, so a typo would surface late.
+        wanted = value.strip()
+        plugins, where = nixl_plugins(plugin_dir=os.environ.get("NIXL_PLUGIN_DIR") or None)
+        by_upper = {p.upper(): p for p in plugins}
+        if wanted.upper() in by_upper:
+            return by_upper[wanted.upper()]
+        raise ValueError(f"{value!r} is not a NIXL backend plugin {where}; use one of "
+                         f"{', '.join(plugins)}")
+
+    @field_validator("ipc_dir")
+    @classmethod
+    def _check_ipc_dir(cls, value: str) -> str:
+        value = value.strip()
+        if value in ("", "off"):
+            return value
+        longest = len(os.path.expanduser(value).rstrip("/").encode()) + _IPC_SOCKET_NAME_BYTES
+        if longest > _SUN_PATH_MAX:
+            raise ValueError(f"{value!r} is too long for the local transport's Unix sockets "
+                             f"(a socket path is at most {_SUN_PATH_MAX} bytes, its sockets would "
+                             f"be {longest}); use a directory of at most "
+                             f"{_SUN_PATH_MAX - _IPC_SOCKET_NAME_BYTES} bytes, or off")
+        return value
+
+    @field_validator("server_token", mode="before")
+    @classmethod
+    def _empty_token_is_none(cls, value: Any) -> Any:
+        # MX_SERVER_TOKEN= (set but empty, common in templated manifests) means no token,
+        # not a token that no server can match.
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @model_validator(mode="after")
+    def _warn_ineffective(self) -> "MxSettings":
+        """Combinations that are valid but do nothing: said once, at start-up."""
+        warn = logging.getLogger(__name__).warning
+        if 0 < self.transfer_timeout_s <= self.transfer_stall_s:
+            warn("MX_TRANSFER_STALL_S=%g is not below MX_TRANSFER_TIMEOUT_S=%g: the deadline "
+                 "ends a stalled READ first, so a stalled source is never left for the next "
+                 "one", self.transfer_stall_s, self.transfer_timeout_s)
+        if self.vmm_arena_single_mr and not self.vmm_arena:
+            warn("MX_VMM_ARENA_SINGLE_MR=1 has no effect without MX_VMM_ARENA=1")
         return self
 
     @field_validator("store")
@@ -228,6 +278,53 @@ class MxSettings(BaseSettings):
         except pydantic.ValidationError as exc:
             shown = {k: v for k, v in (names or {}).items() if k in given}
             raise ConfigError(settings_error_line(exc, names=shown)) from exc
+
+
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes with the NUL (local/protocol.py)
+_IPC_SOCKET_NAME_BYTES = len("/mx-") + 16 + len(".sock")  # a source's default socket name
+
+NIXL_BACKENDS = ("UCX", "LIBFABRIC", "GDS", "GDS_MT", "POSIX", "OBJ", "GPUNETIO", "MOONCAKE",
+                 "HF3FS", "GUSLI", "INFINIA", "AZURE_BLOB", "UCCL")
+"""NIXL's backend plugin names (NIXL 1.5): what ``MX_NIXL_BACKEND`` is checked against
+where NIXL is not installed (a control-plane server, a CLI machine)."""
+
+_NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # transfer/nixl_adapter.py's candidates
+
+
+@functools.cache
+def nixl_plugins(modules: tuple[str, ...] = _NIXL_MODULES,
+                 plugin_dir: str | None = None) -> tuple[tuple[str, ...], str]:
+    """The NIXL backend plugins installed here, and where they were found.
+
+    Read from the plugin directory of the installed NIXL wheel (``libplugin_<NAME>.so``
+    files), without importing NIXL or creating an agent: that costs UCX's start-up (and
+    hooks malloc) in every process, pulls or not. Without NIXL, or when its plugin
+    directory is not where the wheels put it, NIXL's known names (:data:`NIXL_BACKENDS`).
+
+    Args:
+        modules: NIXL's Python packages to look for (the wheels' names).
+        plugin_dir: ``NIXL_PLUGIN_DIR`` (NIXL loads its plugins from there when set).
+
+    Returns:
+        ``(names, where)``, ``where`` for a message ("installed in DIR", ...).
+    """
+    dirs = [pathlib.Path(plugin_dir)] if plugin_dir else []
+    for name in modules:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        pkg = pathlib.Path(list(spec.submodule_search_locations)[0])
+        dirs += [pkg.parent / f".{name}.mesonpy.libs" / "plugins",
+                 pkg.parent / f"{name}.libs" / "plugins", pkg / "plugins"]
+    for d in dirs:
+        found = sorted(p.name[len("libplugin_"):].split(".so")[0]
+                       for p in d.glob("libplugin_*.so*")) if d.is_dir() else []
+        if found:
+            return tuple(found), f"installed in {d}"
+    return NIXL_BACKENDS, "known to NIXL (no NIXL plugin directory found here)"
 
 
 _RENAMED = {"MX_ARENA_SINGLE_MR": "vmm_arena_single_mr"}
