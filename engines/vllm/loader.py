@@ -67,6 +67,7 @@ from modelexpress.identity import ModelIdentity
 from modelexpress.p2p.readers import AgentStart
 from modelexpress.settings import MxSettings
 
+from modelexpress.engines.vllm import compat as _compat
 from modelexpress.engines.vllm import probe as _probe
 from modelexpress.engines.vllm.identity import identity_from_vllm
 from modelexpress.engines.vllm.options import LoaderOptions, split_extra_config
@@ -441,8 +442,8 @@ class MxModelLoader(BaseModelLoader):
     def _create(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
                 device: torch.device) -> nn.Module:
         with device:
-            return self.create_model(vllm_config=vllm_config, model_config=model_config,
-                                     prefix=prefix)
+            # vLLM 0.26 has no BaseModelLoader.create_model (compat.py)
+            return _compat.create_model(self, vllm_config, model_config, prefix)
 
     @property
     def _settings(self) -> MxSettings:

@@ -230,11 +230,13 @@ def build_model(vllm_config, load_format: str):
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from modelexpress.engines.vllm.compat import create_model  # vLLM 0.26 has no loader.create_model
+
     loader = get_model_loader(replace(vllm_config.load_config, load_format=load_format))
     mc = vllm_config.model_config
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(mc.dtype):
         with torch.device("cpu"):
-            model = loader.create_model(vllm_config=vllm_config, model_config=mc)
+            model = create_model(loader, vllm_config, mc)
         loader.load_weights(model, mc)
         process_weights_after_loading(model, mc, torch.device("cpu"))
     return model.eval()
@@ -279,12 +281,13 @@ def _stages(model_dir: pathlib.Path):  # noqa: ANN202
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+    from modelexpress.engines.vllm.compat import create_model
     from modelexpress.engines.vllm.tensors import collect_loaded_tensors
 
     vc = make_vllm_config(model_dir)
     loader = get_model_loader(vc.load_config)
     with set_current_vllm_config(vc), torch.device("cpu"):
-        model = loader.create_model(vllm_config=vc, model_config=vc.model_config)
+        model = create_model(loader, vc, vc.model_config)
 
     def fill_from_disk() -> None:
         with set_current_vllm_config(vc):
