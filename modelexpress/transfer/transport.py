@@ -14,7 +14,11 @@ correct data and no NIXL error (GPU.md). That must never pass silently. The sign
    (:data:`FLOORS_GBPS`) of the observed transport (the expected one when nothing was
    observed) is a fallback, whatever the log says.
 3. **Expectation**: :func:`expected_transport` says what a memory-kind/host pair
-   should use, so the message can say what to change.
+   should use on this hardware, so the message can say what to change. Between hosts
+   that is ``rdma`` only where this host has RDMA devices (:func:`rdma_devices`); a
+   host without any expects ``tcp``, so a fleet of TCP-only hosts is neither warned
+   on every pull nor refused under ``MX_REFUSE_SLOW_TRANSPORT=1``. RDMA present but
+   TCP used still is a fallback, and so is NIXL over TCP between peers on one host.
 
 :func:`assess` turns these into a :class:`TransportVerdict`; the manager attaches it
 to every transfer result, logs a warning, and raises
@@ -31,11 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pathlib
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COLD_FLOOR_GBPS", "FLOORS_GBPS", "UNKNOWN", "VERDICT_OK", "VERDICT_SLOW",
-           "TransportVerdict", "UcxLogFacts", "assess", "expected_transport"]
+__all__ = ["COLD_FLOOR_GBPS", "FLOORS_GBPS", "RDMA_SYSFS", "UNKNOWN", "VERDICT_OK",
+           "VERDICT_SLOW", "TransportVerdict", "UcxLogFacts", "assess", "expected_transport",
+           "rdma_devices"]
 
 # What a result says when UCX's report did not show the transport.
 UNKNOWN = "unknown"
@@ -80,21 +86,42 @@ def _family(tl: str) -> str:
     return tl
 
 
-def expected_transport(local_mem: str, remote_mem: str, same_host: bool) -> str:
+RDMA_SYSFS = pathlib.Path("/sys/class/infiniband")
+"""The kernel's list of RDMA devices (InfiniBand, RoCE, iWARP, EFA, soft-RoCE alike)."""
+
+
+def rdma_devices(sysfs: pathlib.Path = RDMA_SYSFS) -> tuple[str, ...]:
+    """The RDMA devices of this host (``mlx5_0``, ``efa_0``, ...), sorted; empty when none.
+
+    Args:
+        sysfs: where the kernel lists them (tests and containers may point elsewhere).
+    """
+    try:
+        return tuple(sorted(p.name for p in sysfs.iterdir()))
+    except OSError:  # no such class: no RDMA driver loaded, no device
+        return ()
+
+
+def expected_transport(local_mem: str, remote_mem: str, same_host: bool, *,
+                       rdma: bool | None = None) -> str:
     """The transport family a READ between these memory kinds should use.
 
     Args:
         local_mem / remote_mem: "DRAM" or "VRAM".
         same_host: both agents on one machine.
+        rdma: this host has RDMA devices; None: look (:func:`rdma_devices`).
 
     Returns:
-        ``"cuda_ipc"`` (VRAM<->VRAM on one host, NVLink/PCIe peer access), ``"rdma"``
-        (any VRAM across hosts: GPUDirect RDMA), ``"cma"`` (DRAM on one host), or
-        ``"rdma"`` for DRAM across hosts (TCP works there but is the slow fallback).
+        On one host: ``"cuda_ipc"`` (VRAM on either side: NVLink/PCIe peer access) or
+        ``"cma"`` (DRAM). Across hosts: ``"rdma"`` where this host has RDMA devices
+        (GPUDirect RDMA for VRAM; TCP there is the slow fallback), else ``"tcp"`` (the
+        only network a host without RDMA devices has: not a fallback).
     """
     if same_host:
         return "cuda_ipc" if "VRAM" in (local_mem, remote_mem) else "cma"
-    return "rdma"
+    if rdma is None:
+        rdma = bool(rdma_devices())
+    return "rdma" if rdma else "tcp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +187,13 @@ def _advice(expected: str, vmm: bool) -> str:
                 "openucx/ucx#11283. See docs/DEPLOYMENT.md, Multi-handle arenas. "
                 "MX_REFUSE_SLOW_TRANSPORT=1 turns this into an error.")
     if expected == "rdma":
-        return ("check that UCX sees the RDMA devices (ucx_info -d, UCX_NET_DEVICES) and that "
-                "UCX_TLS does not exclude rc/dc; MX_REFUSE_SLOW_TRANSPORT=1 refuses such peers.")
+        return (f"this host has RDMA devices ({', '.join(rdma_devices()) or 'none now'}): "
+                "check that UCX sees them (ucx_info -d, UCX_NET_DEVICES), that UCX_TLS does "
+                "not exclude rc/dc, and that the source host has RDMA too; "
+                "MX_REFUSE_SLOW_TRANSPORT=1 refuses such peers.")
+    if expected == "tcp":
+        return ("neither host path should be this slow over TCP: check the link (ethtool, "
+                "tc) and UCX_NET_DEVICES; MX_REFUSE_SLOW_TRANSPORT=1 refuses such peers.")
     return ("check UCX_TLS (it must allow cma or sm for same-host DRAM) and that CMA is "
             "permitted (same user; kernel.yama.ptrace_scope <= 1).")
 

@@ -359,6 +359,22 @@ class Host:
                 return nic
         raise KeyError(f"{self.name} has no NIC {name} (has {[n.name for n in self.nics]})")
 
+    def fake_rdma_devices(self, names: Sequence[str] = ("mlx5_0",)) -> None:
+        """Make ``/sys/class/infiniband`` list ``names`` for every later command of this
+        host (an RDMA NIC the kernel lists but UCX cannot use: no verbs device).
+
+        Done in the host's own mount namespace, so it goes with the host: ``/sys/class``
+        is bind-mounted aside into the host's ``/dev/shm``, a tmpfs put over it, each
+        class mounted back, and the fake class created. No file of the machine changes.
+        """
+        aside = "/dev/shm/.mx-sys-class"
+        script = (f"set -e; mkdir -p {aside}; mount --bind /sys/class {aside}; "
+                  "mount -t tmpfs -o size=1m mx-sys-class /sys/class; "
+                  f"for d in {aside}/*; do n=$(basename \"$d\"); mkdir \"/sys/class/$n\"; "
+                  "mount --bind \"$d\" \"/sys/class/$n\"; done; "
+                  + "; ".join(f"mkdir -p /sys/class/infiniband/{n}" for n in names))
+        _sh(["nsenter", "-t", str(self.init_pid()), "--mount", "--", "sh", "-c", script])
+
     def set_link(self, up: bool, nic: str = "eth0") -> None:
         """``ip link set up|down`` on the NIC inside the host (a cable pulled)."""
         self.exec(["ip", "link", "set", self.nic(nic).name, "up" if up else "down"])

@@ -3,11 +3,14 @@ outcomes (UCX cuda_ipc silently falling back to TCP for CUDA VMM memory, GPU.md)
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
 from modelexpress import errors
 from modelexpress.transfer import assess, expected_transport, parse_ucx_log
+from modelexpress.transfer.transport import UcxLogFacts
 from modelexpress.transfer.nixl_adapter import ERROR_MAP, nixl_error_classes, translate
 
 # NIXL refuses UCX_TLS without a CUDA transport where GPUs are present.
@@ -47,7 +50,30 @@ def test_every_nixl_error_class_is_mapped() -> None:
 def test_expected_transports() -> None:
     assert expected_transport("VRAM", "VRAM", same_host=True) == "cuda_ipc"
     assert expected_transport("DRAM", "DRAM", same_host=True) == "cma"
-    assert expected_transport("VRAM", "VRAM", same_host=False) == "rdma"
+    assert expected_transport("VRAM", "VRAM", same_host=False, rdma=True) == "rdma"
+    # a host without RDMA devices has TCP between hosts, not a fallback (#23)
+    assert expected_transport("VRAM", "VRAM", same_host=False, rdma=False) == "tcp"
+    assert expected_transport("DRAM", "DRAM", same_host=False, rdma=False) == "tcp"
+
+
+def test_the_hardware_decides_between_rdma_and_tcp(tmp_path: pathlib.Path) -> None:
+    from modelexpress.transfer.transport import rdma_devices
+    sysfs = tmp_path / "infiniband"
+    assert rdma_devices(sysfs) == ()  # no RDMA driver: no class directory at all
+    sysfs.mkdir()
+    assert rdma_devices(sysfs) == ()
+    (sysfs / "mlx5_1").mkdir()
+    (sysfs / "mlx5_0").mkdir()
+    assert rdma_devices(sysfs) == ("mlx5_0", "mlx5_1")
+
+
+def test_tcp_between_hosts_is_ok_without_rdma_and_a_fallback_with_it() -> None:
+    tcp = UcxLogFacts(read_transports=("tcp",))
+    assert assess("tcp", 1 << 30, 10.0, facts=tcp).ok
+    slow = assess("rdma", 1 << 30, 10.0, facts=tcp)
+    assert not slow.ok and "where rdma was expected" in slow.message
+    same_host = assess("cma", 1 << 30, 1.0, facts=tcp)
+    assert not same_host.ok and "where cma was expected" in same_host.message
 
 
 @pytest.mark.parametrize("case", sorted(RECORDED_GPU))
