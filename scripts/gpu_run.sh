@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (two H200s; see ../shared/GPU.md). Usage:
 #   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-8b p2p-nodigest digest
-#                                       shm host-copy shm-ab vmm
+#                                       shm host-copy shm-ab vmm vllm-stage vllm-engine vllm-pytest
 # `setup` installs the carried wheels (.whl-gpu, built by scripts/build_gpu_carry.sh:
 # nixl-cu13, pydantic-settings, fastapi, uvicorn...) into /tmp/site, the project in
 # editable mode (which builds the C extensions for this machine's Python), and checks
 # that the server's and NIXL's imports resolve. Logs go to $OUT (or ./gpu-out).
 # Device call: run(carry=[".whl-gpu"], command="OUT=$OUT bash scripts/gpu_run.sh setup tests")
+#
+# vLLM 0.26.0 engines (../shared/GPU_VLLM.md; parts built by scripts/pack_vllm026_gpu.sh,
+# each under the 64 MiB carry limit, so staged by calls made back to back: a machine
+# stays warm ~30 s after a call, and /tmp with it):
+#   vllm-stage    unpack/install whichever .vllm026/p* parts this call carried into
+#                 /tmp/vllm026/site; once the project is not installed there, install it
+#                 (-e: builds the VMM allocator extension); with every part staged, check
+#                 that vLLM, NIXL and the server import and start (vllm_check.log)
+#   vllm-engine   the engine tests (tests/engines/test_vllm_gpu_engine.py; more pytest
+#                 arguments in VLLM_PYTEST_ARGS, e.g. -k compiled), logs to $OUT/engine
+#   vllm-pytest   any pytest path with the staged vLLM: VLLM_PYTEST="tests/... -k x"
+# Fresh machine, four calls back to back (prepare them all before the first):
+#   run(carry=[".vllm026/p0"], command="OUT=$OUT bash scripts/gpu_run.sh vllm-stage")
+#   run(carry=[".vllm026/p1"], command="OUT=$OUT bash scripts/gpu_run.sh vllm-stage")
+#   run(carry=[".vllm026/p2"], command="OUT=$OUT bash scripts/gpu_run.sh vllm-stage")
+#   run(command="OUT=$OUT bash scripts/gpu_run.sh vllm-stage vllm-engine")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -16,6 +32,13 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export UCX_MODULE_DIR=/tmp/site/nixl_cu13.libs/ucx
 # NVLink multicast stays off on shared machines (KINDS.md)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# vLLM 0.26 and NIXL staged by vllm-stage, first on the path (they replace /tmp/site's)
+vllm_env() {
+  export PYTHONPATH=/tmp/vllm026/site:$PYTHONPATH
+  export UCX_MODULE_DIR=/tmp/vllm026/site/nixl_cu13.libs/ucx
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1
+}
 
 for stage in "$@"; do
   echo "=== stage $stage ($(date -u +%FT%TZ))"
@@ -116,6 +139,95 @@ PY
       ;;
     vmm)
       python3 bench/vmm_arena.py --quick 2>&1 | tee "$OUT/bench_vmm_gpu.log" | tail -5
+      ;;
+    vllm-stage)
+      V=/tmp/vllm026; mkdir -p "$V/site" "$V/stamps"
+      if [ ! -f "$V/stamps/env" ]; then  # once per machine: what it has
+        { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+          python3 -c "import sys, torch; print(sys.version); print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs')"
+          python3 -c "import triton; print('triton', triton.__version__)" || echo "triton: not installed"
+          python3 -m pip list --disable-pip-version-check 2>/dev/null; } > "$OUT/env.log" 2>&1
+        head -8 "$OUT/env.log"; touch "$V/stamps/env"
+      fi
+      for part in .vllm026/p*/; do
+        [ -d "$part" ] || continue
+        for f in "$part"*.tar.xz; do
+          [ -e "$f" ] || continue
+          echo "unpacking $f"; tar -C "$V/site" -xJf "$f" || exit 1
+          touch "$V/stamps/$(basename "$f")"
+        done
+        if ls "$part"*.whl >/dev/null 2>&1; then
+          echo "installing $(ls "$part"*.whl | wc -l) wheels from $part"
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --disable-pip-version-check --upgrade --target "$V/site" "$part"*.whl \
+            >> "$OUT/vllm_install.log" 2>&1 || { tail -30 "$OUT/vllm_install.log"; exit 1; }
+          for w in "$part"*.whl; do touch "$V/stamps/$(basename "$w")"; done
+        fi
+      done
+      # the project, editable (the VMM allocator extension is built for this Python)
+      if ! (cd /tmp && python3 -c "import modelexpress.engines.vllm, modelexpress.vmm._alloc_ext") 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+          >> "$OUT/vllm_install.log" 2>&1 || { tail -30 "$OUT/vllm_install.log"; exit 1; }
+      fi
+      ls "$V/stamps"
+      if [ -f "$V/stamps/kernels.tar.xz" ] && [ -f "$V/stamps/python.tar.xz" ] &&
+         [ -f "$V/stamps/fa3.tar.xz" ] && ls "$V/stamps"/nixl_cu13-*.whl >/dev/null 2>&1; then
+        vllm_env
+        python3 - <<'PY' 2>&1 | tee "$OUT/vllm_check.log" || { echo "vllm check failed"; exit 1; }
+import importlib, importlib.util, os, socket, subprocess, sys, tempfile, time
+import torch, vllm
+print("vllm", vllm.__version__, "from", vllm.__file__, "| torch", torch.__version__,
+      "| cuda", torch.cuda.is_available())
+for mod in ["vllm._C_stable_libtorch", "vllm.vllm_flash_attn._vllm_fa3_C", "triton",
+            "transformers", "tokenizers", "safetensors", "nixl_cu13", "fastapi", "uvicorn",
+            "pydantic_settings", "modelexpress.vmm._alloc_ext",
+            "modelexpress.engines.vllm.loader", "modelexpress.server.app"]:
+    try:
+        m = importlib.import_module(mod)
+        print("ok", mod, getattr(m, "__version__", ""))
+    except Exception as exc:  # report every missing piece at once
+        print("MISSING", mod, type(exc).__name__, exc)
+from vllm import LLM  # noqa: F401
+from modelexpress.transfer.nixl_adapter import nixl_module
+print("ok nixl_module():", nixl_module().__name__)
+import httpx
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
+store = "sqlite:///" + os.path.join(tempfile.mkdtemp(), "mx.db")
+proc = subprocess.Popen([sys.executable, "-m", "modelexpress.server", "--host", "127.0.0.1",
+                         "--port", str(port), "--store", store], env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+try:
+    for _ in range(150):
+        if proc.poll() is not None:
+            sys.exit("server exited %s:\n%s" % (proc.returncode, proc.stdout.read().decode()))
+        try:
+            print("ok server /v1/health:", httpx.get(f"http://127.0.0.1:{port}/v1/health",
+                                                     timeout=1).status_code); break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    else:
+        sys.exit("server did not answer /v1/health in 15 s")
+finally:
+    proc.terminate(); proc.wait(10)
+PY
+      else
+        echo "vllm-stage: parts still missing (stage p0, p1 and p2 first)"
+      fi
+      ;;
+    vllm-engine|vllm-pytest)
+      vllm_env
+      if [ "$stage" = vllm-engine ]; then
+        target="tests/engines/test_vllm_gpu_engine.py ${VLLM_PYTEST_ARGS:-}"; log=pytest_vllm_engine
+      else
+        target=${VLLM_PYTEST:?set VLLM_PYTEST to the pytest arguments}; log=pytest_vllm
+      fi
+      mkdir -p "$OUT/engine"
+      # shellcheck disable=SC2086
+      MX_GPU_ENGINE_TESTS=1 MX_GPU_ENGINE_LOGS="$OUT/engine" timeout "${VLLM_PYTEST_TIMEOUT:-560}" \
+        python3 -m pytest -p no:cacheprovider -v -rA $target 2>&1 | tee "$OUT/$log.log" | tail -40
+      nvidia-smi --query-gpu=memory.used --format=csv >> "$OUT/$log.log" 2>&1
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

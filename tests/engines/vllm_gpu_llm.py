@@ -1,0 +1,120 @@
+"""One offline ``vllm.LLM`` engine in this process: build it, answer greedily, report, serve.
+
+Run by :mod:`vllm_gpu_engines` as ``python vllm_gpu_llm.py SPEC.json``, one engine per
+process (a source must stay alive while targets pull from it; a target must start
+in a fresh CUDA context). The spec (JSON) holds:
+
+``model``, ``out`` (result JSON), ``load_format``, ``extra_config`` (vLLM's
+``model_loader_extra_config``), ``enforce_eager``, ``prompts`` (token-id lists),
+``max_tokens``, ``t0`` (the parent's ``time.time()`` just before it started this
+process: time to ready counts process start and imports), ``serve_until`` (a path:
+after answering, stay alive until it exists, so that peers can pull), and
+``serve_max_s`` (the bound of that wait).
+
+Settings that make vLLM 0.26 run on the GPU test machine from carried files
+(``../shared/GPU_VLLM.md``): the Triton attention backend (no FlashInfer there),
+token-id prompts with ``skip_tokenizer_init`` (no tokenizer files), a small
+``gpu_memory_utilization`` so that two or three engines share one GPU, and the
+in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the parent).
+
+The result JSON: ``tokens`` (one list per prompt), ``ready_s`` (t0 to the engine
+built), ``llm_s`` (``LLM(...)`` alone), ``import_s``, ``vllm_version``, ``pid``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+
+_STARTED = time.time()
+
+
+def _configure_logging() -> None:
+    # This script is an entry point: it may configure logging. The loader's INFO lines
+    # (pulled from where, how fast, probe verdict, why it fell back) are what the
+    # tests read; the plugin adds no second handler when one is there.
+    ours = logging.getLogger("modelexpress")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                                           datefmt="%m-%d %H:%M:%S"))
+    ours.addHandler(handler)
+    ours.setLevel(os.environ.get("MX_LOG_LEVEL", "INFO"))
+    ours.propagate = False
+
+
+def _served_segment_kinds() -> dict[str, int]:
+    """Kinds of the memory segments this process serves over the local transport
+    (``vmm_fd``: VMM arena chunks shared as POSIX fds; ``cuda_ipc``: caching-allocator
+    blocks), found among the live source handles (the engine core runs in this process)."""
+    import gc
+
+    from modelexpress.p2p.source import SourceHandle
+
+    kinds: dict[str, int] = {}
+    # vLLM freezes the heap after start-up (gc.freeze): frozen objects are not listed
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    for obj in gc.get_objects():
+        if isinstance(obj, SourceHandle) and obj.local is not None:
+            for seg in obj.local.segments:
+                kinds[seg.kind] = kinds.get(seg.kind, 0) + 1
+    if frozen:
+        gc.freeze()
+    return kinds
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(pathlib.Path(spec_path).read_text())
+    _configure_logging()
+    t0 = float(spec.get("t0", _STARTED))
+    t_import = time.time()
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import_s = time.time() - t_import
+    kwargs = dict(model=spec["model"], load_format=spec.get("load_format", "auto"),
+                  skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
+                  max_model_len=int(spec.get("max_model_len", 256)), seed=0,
+                  enforce_eager=bool(spec.get("enforce_eager", True)),
+                  max_num_seqs=int(spec.get("max_num_seqs", 8)))
+    if spec.get("extra_config"):
+        kwargs["model_loader_extra_config"] = spec["extra_config"]
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = float(spec.get("gpu_memory_utilization", 0.15))
+        kwargs["attention_backend"] = spec.get("attention_backend", "TRITON_ATTN")
+    t_llm = time.time()
+    llm = LLM(**kwargs)
+    ready = time.time()
+    params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 16)),
+                            ignore_eos=True, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]],
+                           params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    result = {"tokens": tokens, "ready_s": ready - t0, "llm_s": ready - t_llm,
+              "import_s": import_s, "vllm_version": vllm.__version__, "pid": os.getpid(),
+              "torch": torch.__version__, "served_segments": _served_segment_kinds()}
+    out = pathlib.Path(spec["out"])
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out)  # the parent polls for the file: it appears whole
+    print(f"MX-TEST answered: ready {result['ready_s']:.2f} s (LLM() {result['llm_s']:.2f} s, "
+          f"imports {import_s:.2f} s)", flush=True)
+    until = spec.get("serve_until")
+    if until:
+        print("MX-TEST serving", flush=True)
+        deadline = time.monotonic() + float(spec.get("serve_max_s", 900))
+        while not os.path.exists(until) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    del llm
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
