@@ -41,6 +41,7 @@ from modelexpress.local.protocol import LocalEndpoint, Segment
 if TYPE_CHECKING:
     import torch
 
+    from modelexpress.local.devices import DeviceInventory
     from modelexpress.transfer.manifest import Manifest
 
 __all__ = ["LocalPullResult", "LocalSession", "pull", "TRANSPORT"]
@@ -96,15 +97,18 @@ class LocalSession(ClosedOnCollect):
         device: CUDA device of the destination (device segments are mapped for it);
             None when every destination is on the host.
         timeout_s: bound on connecting and on each handshake message.
+        inventory: this process's GPUs (default: CUDA's); the source's device segments
+            name GPUs by UUID and are mapped for this process's ordinal of each.
 
     Raises:
         PeerError: the source is unreachable, refused (e.g. wrong credential), or sent
-            something malformed; nothing stays open.
+            something malformed, or serves memory on a GPU this process does not see
+            (``inventory``); nothing stays open.
         MxTimeoutError: the source did not answer within ``timeout_s``.
     """
 
     def __init__(self, endpoint: LocalEndpoint, device: int | None = None,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, inventory: "DeviceInventory | None" = None) -> None:
         self._closed = True
         self.endpoint = endpoint
         self.peer = f"local source {endpoint.source_id} ({endpoint.path})"
@@ -148,6 +152,12 @@ class LocalSession(ClosedOnCollect):
             if len(pairs) != int(msg["segments"]):
                 raise PeerError(f"{self.peer}: announced {msg['segments']} segments, "
                                 f"sent {len(pairs)}")
+            if any(s.kind != "memfd" for s, _ in pairs):
+                # GPUs by UUID: the source's ordinals mean nothing here (devices.py)
+                from modelexpress.local.devices import CudaDevices, local_segments
+                mine = local_segments([s for s, _ in pairs], inventory or CudaDevices(),
+                                      self.peer)
+                pairs = [(s, fd) for s, (_, fd) in zip(mine, pairs)]
             self.segments = [s for s, _ in pairs]
             self._map(pairs, device)
             received = []  # the mappings own (and have closed) them now
@@ -324,7 +334,8 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
          verify: bool = True, stop: StopFlag | None = None, deadline_s: float = 600.0,
          progress: Callable[[int, int], None] | None = None,
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, connect_timeout_s: float = 10.0,
-         allow_partial: bool = False) -> LocalPullResult:
+         allow_partial: bool = False, inventory: "DeviceInventory | None" = None
+         ) -> LocalPullResult:
     """Copy a same-host source's tensors into ``tensors`` over the local transport.
 
     Args:
@@ -338,6 +349,7 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
         chunk_bytes: bytes between checks of stop, deadline and the source's liveness.
         connect_timeout_s: bound on connecting and the handshake.
         allow_partial: tensors on one side only are skipped instead of failing.
+        inventory: this process's GPUs (see :class:`LocalSession`).
 
     Returns:
         A :class:`LocalPullResult`.
@@ -364,7 +376,8 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
     device = devices.pop() if devices else None
     phases: dict[str, float] = {}
     session = LocalSession(endpoint, device=device,
-                           timeout_s=min(connect_timeout_s, max(0.1, deadline - time.monotonic())))
+                           timeout_s=min(connect_timeout_s, max(0.1, deadline - time.monotonic())),
+                           inventory=inventory)
     t_map = time.monotonic()
     phases["connect+map"] = t_map - t0
     total = sum(p.remote.nbytes for p in pairs)

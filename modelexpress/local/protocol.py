@@ -24,7 +24,7 @@ or closed the connection after ``closing``) fails the pull with a PeerError even
 though already-mapped memory may still be readable, because a source that went away
 may have been changing the weights it served.
 
-A segment item: ``{"kind", "addr", "size", "device", "fd", "ipc"}``:
+A segment item: ``{"kind", "addr", "size", "device", "gpu", "fd", "ipc"}``:
 
 =========  ====================================================  ==========================
 kind       memory                                                handle
@@ -36,6 +36,12 @@ cuda_ipc   a cudaMalloc allocation (PyTorch's caching allocator)  ``ipc`` (64 by
 
 ``addr`` is the start of the allocation in the source's address space: a tensor of
 the source's manifest at ``addr + k`` is at offset ``k`` of the mapped segment.
+
+``gpu`` names a device segment's GPU by UUID (``GPU-...``; ``""`` for host memory);
+``device`` is the source's CUDA ordinal, meaningful only in the source's process (for
+its logs). A target maps ``gpu`` to its own ordinal (:mod:`.devices`) and does not
+read a segment on a GPU it cannot see, nor one that names no UUID (a source from
+before UUIDs: the key is new in version 1 and readers of version 1 ignore it).
 """
 
 from __future__ import annotations
@@ -83,16 +89,19 @@ class LocalEndpoint:
         path: the source's Unix socket.
         source_id: names the source in the socket path and in the handshake.
         token: the credential the source checks.
+        gpus: UUIDs of the GPUs its device segments lie on (none for host memory).
     """
 
     host_id: str
     path: str
     source_id: str
     token: str = dataclasses.field(repr=False)
+    gpus: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"transport": "local", "v": VERSION, "host_id": self.host_id,
-                "path": self.path, "source_id": self.source_id, "token": self.token}
+                "path": self.path, "source_id": self.source_id, "token": self.token,
+                "gpus": list(self.gpus)}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> LocalEndpoint:
@@ -106,7 +115,8 @@ class LocalEndpoint:
                               f"{obj.get('transport')!r} v={obj.get('v')!r}")
         try:
             return cls(host_id=str(obj["host_id"]), path=str(obj["path"]),
-                       source_id=str(obj["source_id"]), token=str(obj["token"]))
+                       source_id=str(obj["source_id"]), token=str(obj["token"]),
+                       gpus=tuple(str(g) for g in obj.get("gpus") or ()))
         except KeyError as exc:
             raise ConfigError(f"local endpoint lacks {exc.args[0]!r}") from exc
 
@@ -119,8 +129,10 @@ class Segment:
         kind: one of :data:`SEGMENT_KINDS`.
         addr: start in the source's address space.
         size: bytes.
-        device: CUDA ordinal on the source, -1 for host memory.
+        device: CUDA ordinal, -1 for host memory: the source's on the wire, this
+            process's once :func:`~modelexpress.local.devices.local_segments` mapped it.
         ipc: the CUDA IPC handle (``cuda_ipc`` only).
+        gpu: the GPU's UUID (device segments); what other processes go by.
     """
 
     kind: str
@@ -128,11 +140,17 @@ class Segment:
     size: int
     device: int
     ipc: bytes | None = None
+    gpu: str = ""
 
     def to_item(self, fd_index: int) -> dict[str, Any]:
         return {"kind": self.kind, "addr": self.addr, "size": self.size,
-                "device": self.device, "fd": fd_index,
+                "device": self.device, "gpu": self.gpu, "fd": fd_index,
                 "ipc": self.ipc.hex() if self.ipc is not None else None}
+
+    @property
+    def where(self) -> str:
+        """For logs: ``host`` or the GPU's UUID."""
+        return "host" if self.kind == "memfd" else (self.gpu or f"source cuda:{self.device}")
 
     @classmethod
     def from_item(cls, item: Mapping[str, Any]) -> tuple[Segment, int]:
@@ -140,7 +158,8 @@ class Segment:
             kind = str(item["kind"])
             seg = cls(kind=kind, addr=int(item["addr"]), size=int(item["size"]),
                       device=int(item["device"]),
-                      ipc=bytes.fromhex(item["ipc"]) if item.get("ipc") else None)
+                      ipc=bytes.fromhex(item["ipc"]) if item.get("ipc") else None,
+                      gpu=str(item.get("gpu") or ""))
             fd_index = int(item["fd"])
         except (KeyError, TypeError, ValueError) as exc:
             raise PeerError(f"malformed segment from the source: {item!r} ({exc})") from exc

@@ -41,6 +41,8 @@ from modelexpress.local.protocol import LocalEndpoint, Segment
 if TYPE_CHECKING:
     import torch
 
+    from modelexpress.local.devices import DeviceInventory
+
     from modelexpress.local.memory import HostBuffer
     from modelexpress.vmm.arena import VmmArena
 
@@ -73,6 +75,9 @@ class LocalSource(ClosedOnCollect):
         max_peers: connections served at once; more are refused ("busy").
         handshake_timeout_s: a peer must send its hello within this.
         max_hold_s: a peer may keep its mapping this long, then it is disconnected.
+        inventory: this process's GPUs (:class:`~modelexpress.local.devices.DeviceInventory`;
+            default :class:`~modelexpress.local.devices.CudaDevices`): device segments
+            are published under their GPU's UUID, which peers map to their own ordinal.
 
     Raises:
         ConfigError: bad arguments, or the socket path is too long.
@@ -80,7 +85,8 @@ class LocalSource(ClosedOnCollect):
 
     def __init__(self, ipc_dir: str, *, host_id: str, source_id: str | None = None,
                  token: str | None = None, max_peers: int = 64,
-                 handshake_timeout_s: float = 10.0, max_hold_s: float = 3600.0) -> None:
+                 handshake_timeout_s: float = 10.0, max_hold_s: float = 3600.0,
+                 inventory: "DeviceInventory | None" = None) -> None:
         self._closed = True
         if max_peers < 1 or handshake_timeout_s <= 0 or max_hold_s <= 0:
             raise ConfigError("max_peers >= 1 and positive timeouts are required, got "
@@ -94,6 +100,7 @@ class LocalSource(ClosedOnCollect):
         self.max_peers = max_peers
         self.handshake_timeout_s = handshake_timeout_s
         self.max_hold_s = max_hold_s
+        self._inventory = inventory
         self._shared: list[_Shared] = []
         self._lock = threading.Lock()
         self._peers: dict[int, socket.socket] = {}
@@ -109,8 +116,9 @@ class LocalSource(ClosedOnCollect):
     @property
     def endpoint(self) -> LocalEndpoint:
         """What a peer needs (the credential included): publish it with the manifest."""
+        gpus = tuple(dict.fromkeys(s.gpu for s in self.segments if s.gpu))
         return LocalEndpoint(host_id=self.host_id, path=self.path, source_id=self.source_id,
-                             token=self._token)
+                             token=self._token, gpus=gpus)
 
     @property
     def token(self) -> str:
@@ -143,7 +151,7 @@ class LocalSource(ClosedOnCollect):
         elif arena.backend.kind == "cuda":
             from modelexpress.local.cuda import describe_allocations
             for exp in describe_allocations((va, size, arena.device) for va, size in chunks):
-                self._add(_Shared(Segment(exp.kind, exp.addr, exp.size, exp.device, exp.ipc)))
+                self._add(_Shared(self._device_segment(exp)))
         else:
             raise ConfigError(f"a {arena.backend.kind!r} arena has no memory to share")
         return len(chunks)
@@ -175,7 +183,18 @@ class LocalSource(ClosedOnCollect):
             from modelexpress.local.cuda import describe_allocations
             for exp in describe_allocations(cuda_ranges):
                 if not self._covered(exp.addr, exp.size, exp.device):
-                    self._add(_Shared(Segment(exp.kind, exp.addr, exp.size, exp.device, exp.ipc)))
+                    self._add(_Shared(self._device_segment(exp)))
+
+    def _device_segment(self, exp: Any) -> Segment:
+        """A device allocation as published: named by its GPU's UUID (module devices)."""
+        from modelexpress.local.devices import CudaDevices, uuid_of
+        if self._inventory is None:
+            self._inventory = CudaDevices()
+        gpu = uuid_of(self._inventory, exp.device)
+        if not gpu:
+            raise ConfigError(f"{exp} is on cuda:{exp.device}, which has no UUID in this "
+                              f"process's device list {list(self._inventory.uuids())}")
+        return Segment(exp.kind, exp.addr, exp.size, exp.device, exp.ipc, gpu=gpu)
 
     def uncovered(self, ranges: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """The ``(addr, nbytes, device)`` ranges (device -1: host) no segment holds."""
@@ -232,8 +251,10 @@ class LocalSource(ClosedOnCollect):
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"mx-local-{self.source_id}")
         self._accept_thread.start()
-        log.info("local source %s serving %d segments (%d bytes) on %s", self.source_id,
-                 len(self._shared), sum(s.segment.size for s in self._shared), self.path)
+        log.info("local source %s serving %d segments (%d bytes; %s) on %s", self.source_id,
+                 len(self._shared), sum(s.segment.size for s in self._shared),
+                 ", ".join(dict.fromkeys(s.segment.where for s in self._shared)) or "nothing",
+                 self.path)
         return self.endpoint
 
     @property
