@@ -6,9 +6,11 @@
         ──> plan: tensors in source order; a run contiguous on both sides is one copy;
             copies grouped into chunks of ~chunk_bytes
         ──> per chunk: stop? deadline? source alive? then enqueue the copies
-            (cuMemcpyAsync on the destination's stream / torch copy on the host);
-            at most two chunks in flight on a GPU, progress after each completes
-        ──> synchronize, verify digests (transfer.digest, as the NIXL path does)
+            (cuMemcpyAsync on the destination's stream / on the host, pread from the
+            memfds on a few threads: local.hostcopy); at most two chunks in flight on
+            a GPU, progress after each completes
+        ──> synchronize, verify digests (transfer.digest, as the NIXL path does; host
+            to host: each tensor's digest as soon as it landed, alongside the copy)
         ──> bye, unmap, close (always, also on errors)
 
 A source that dies mid-copy is seen at the next chunk boundary (the connection reads
@@ -203,11 +205,19 @@ class LocalSession(ClosedOnCollect):
 
     def local_addr(self, src_addr: int, nbytes: int, host: bool) -> int:
         """Where the source's ``[src_addr, +nbytes)`` is mapped in this process."""
+        return self._mapping(src_addr, nbytes, host).local_addr(src_addr, nbytes)
+
+    def host_segment(self, src_addr: int, nbytes: int) -> tuple[int, int]:
+        """``(segment, offset)`` of the source's host ``[src_addr, +nbytes)`` (for
+        ``HostMapping.read_into``)."""
+        return self._mapping(src_addr, nbytes, True).locate(src_addr, nbytes)
+
+    def _mapping(self, src_addr: int, nbytes: int, host: bool) -> Any:
         mapping = self.host_map if host else self.cuda_map
         if mapping is None:
             raise PeerError(f"{self.peer} shared no {'host' if host else 'device'} memory, "
                             f"but the manifest places 0x{src_addr:x}+{nbytes} there")
-        return mapping.local_addr(src_addr, nbytes)
+        return mapping
 
     def alive(self) -> bool:
         """False once the source went away (end-of-file) or announced it is closing."""
@@ -244,10 +254,10 @@ class LocalSession(ClosedOnCollect):
 
 @dataclasses.dataclass
 class _Copy:
-    src: int        # local address of the mapped source bytes
+    src: int        # local address of the mapped source bytes; host: offset in its memfd
     dst: int
     nbytes: int
-    host: bool      # host -> host (torch copy on the CPU), else cuMemcpyAsync
+    host: bool      # host -> host (pread from the memfd), else cuMemcpyAsync
     dst_device: int  # -1: host
     key: tuple[int, int] = (0, 0)  # (source segment, destination allocation): merge within
 
@@ -287,7 +297,7 @@ def _plan(session: LocalSession, pairs: Sequence[Any], dst: Mapping[str, "torch.
     allocation: cuMemcpy refuses a range that spans two cudaMalloc allocations, even
     adjacent ones (seen on the GPU machine: CUDA_ERROR_INVALID_VALUE). VMM chunks mapped
     side by side (a source arena imported into one range; a destination arena) merge.
-    Host-to-host runs merge freely (plain memory).
+    Host-to-host runs merge within one source memfd (one ``pread`` reads one file).
     """
     runs: list[_Copy] = []
     allocs = _DstAllocations()
@@ -297,12 +307,13 @@ def _plan(session: LocalSession, pairs: Sequence[Any], dst: Mapping[str, "torch.
             continue
         t = dst[p.name]
         src_host = p.remote.device == "cpu"
-        src = session.local_addr(p.remote.addr, n, host=src_host)
         dst_dev = -1 if t.device.type == "cpu" else (t.device.index or 0)
         host = src_host and dst_dev < 0
         if host:
-            key = (0, 0)
+            segment, src = session.host_segment(p.remote.addr, n)
+            key = (segment, -1)
         else:
+            src = session.local_addr(p.remote.addr, n, host=src_host)
             src_key = -1 if src_host else session.cuda_map.group_of(p.remote.addr)
             dst_key = t.data_ptr() if dst_dev < 0 else allocs.key(t.data_ptr())
             key = (src_key, dst_key)
@@ -374,6 +385,9 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
         raise ConfigError(f"local pull destinations are on several CUDA devices {sorted(devices)}; "
                           "pull each device's tensors separately")
     device = devices.pop() if devices else None
+    if verify and device is not None:  # the GPU digest kernel builds while we connect and copy
+        from modelexpress.transfer.digest import warm_up
+        warm_up(manifest.digest_algorithm, [f"cuda:{device}"])
     phases: dict[str, float] = {}
     session = LocalSession(endpoint, device=device,
                            timeout_s=min(connect_timeout_s, max(0.1, deadline - time.monotonic())),
@@ -393,13 +407,21 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
                 ctx.enter_context(on_device(stream_device))
             chunks = _plan(session, pairs, tensors, chunk_bytes)
             n_copies = sum(len(c) for c in chunks)
+            digests = _digests_alongside(manifest, pairs, tensors, chunks, session.peer,
+                                         verify)
+            if digests is not None:
+                ctx.callback(digests.close)
             t_plan = time.monotonic()
             phases["plan"] = t_plan - t_map
-            _run(session, chunks, total, stop, deadline, deadline_s, progress, stream_device)
-        t_copy = time.monotonic()
-        phases["copy"] = t_copy - t_plan
-        verified = _verify(manifest, pairs, tensors, session.peer) if verify else 0
-        phases["verify"] = time.monotonic() - t_copy
+            _run(session, chunks, total, stop, deadline, deadline_s, progress, stream_device,
+                 digests)
+            t_copy = time.monotonic()
+            phases["copy"] = t_copy - t_plan
+            if digests is not None:  # the tail: digests of the last tensors to land
+                verified = digests.finish()
+            else:
+                verified = _verify(manifest, pairs, tensors, session.peer) if verify else 0
+            phases["verify"] = time.monotonic() - t_copy
     finally:
         t_close = time.monotonic()
         session.close()
@@ -425,9 +447,11 @@ class _Runner:
     """Runs the chunks: checks, enqueues, retires; ``done`` counts completed bytes."""
 
     def __init__(self, session: LocalSession, total: int, progress: Callable[[int, int], None] | None,
-                 device: int | None) -> None:
+                 device: int | None, digests: Any = None) -> None:
         import torch
         self.session, self.total, self.progress = session, total, progress
+        self.digests = digests  # hostcopy.DigestsAlongside, told what landed
+        self.copier: Any = None  # hostcopy.HostCopier, made at the first host copy
         self.stream = torch.cuda.current_stream(device) if device is not None else None
         # Device copies go round-robin over a few side streams, so that one copy's launch
         # and DMA setup overlap the previous copy (a rank of many separate allocations
@@ -442,6 +466,8 @@ class _Runner:
 
     def _advance(self, nbytes: int) -> None:
         self.done += nbytes
+        if self.digests is not None:
+            self.digests.landed(self.done)
         if self.progress is not None:
             self.progress(self.done, self.total)
 
@@ -459,12 +485,17 @@ class _Runner:
                 self._chunk(chunk)
             self.retire(0)
         except BaseException:
+            if self.digests is not None:
+                self.digests.close()  # nothing more to check: drop what has not started
             # ORDER: copies already enqueued read the mappings the caller unmaps next.
             for stream in self.side:
                 stream.synchronize()
             if self.stream is not None:
                 self.stream.synchronize()
             raise
+        finally:
+            if self.copier is not None:
+                self.copier.close()
 
     def _check(self, stop: StopFlag | None, deadline: float, deadline_s: float) -> None:
         # ORDER: checked before enqueuing, so nothing is copied from a source that went away.
@@ -481,17 +512,20 @@ class _Runner:
     def _chunk(self, chunk: Sequence[_Copy]) -> None:
         import torch
         host_bytes = dev_bytes = n_dev = 0
-        for c in chunk:
-            if c.host:
-                _host_view(c.dst, c.nbytes).copy_(_host_view(c.src, c.nbytes))
-                host_bytes += c.nbytes
-            else:
-                from modelexpress.local.cuda import memcpy_async
-                assert self.stream is not None, "a device copy needs a stream"
-                side = self.side[n_dev % len(self.side)]
-                memcpy_async(c.dst, c.src, c.nbytes, side.cuda_stream)
-                dev_bytes += c.nbytes
-                n_dev += 1
+        host = [(c.key[0], c.src, c.dst, c.nbytes) for c in chunk if c.host]
+        if host:
+            if self.copier is None:
+                from modelexpress.local.hostcopy import HostCopier
+                self.copier = HostCopier(self.session.host_map)
+            self.copier.copy(host)
+            host_bytes = sum(h[3] for h in host)
+        for c in (c for c in chunk if not c.host):
+            from modelexpress.local.cuda import memcpy_async
+            assert self.stream is not None, "a device copy needs a stream"
+            side = self.side[n_dev % len(self.side)]
+            memcpy_async(c.dst, c.src, c.nbytes, side.cuda_stream)
+            dev_bytes += c.nbytes
+            n_dev += 1
         if host_bytes:
             self._advance(host_bytes)
         if dev_bytes:
@@ -505,15 +539,22 @@ class _Runner:
 
 def _run(session: LocalSession, chunks: Sequence[Sequence[_Copy]], total: int,
          stop: StopFlag | None, deadline: float, deadline_s: float,
-         progress: Callable[[int, int], None] | None, device: int | None) -> None:
-    _Runner(session, total, progress, device).run(chunks, stop, deadline, deadline_s)
+         progress: Callable[[int, int], None] | None, device: int | None,
+         digests: Any = None) -> None:
+    _Runner(session, total, progress, device, digests).run(chunks, stop, deadline, deadline_s)
 
 
-def _host_view(addr: int, nbytes: int) -> "torch.Tensor":
-    import ctypes
-
-    import torch
-    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+def _digests_alongside(manifest: "Manifest", pairs: Sequence[Any],
+                       tensors: Mapping[str, "torch.Tensor"], chunks: Sequence[Sequence[_Copy]],
+                       peer: str, verify: bool) -> Any:
+    """A ``hostcopy.DigestsAlongside`` when every copy is host to host (the digests then
+    run on the CPU beside the copy threads); None otherwise (digests after the copy)."""
+    if not verify or manifest.digest_algorithm is None or not all(
+            c.host for chunk in chunks for c in chunk):
+        return None
+    from modelexpress.local.hostcopy import DigestsAlongside, digest_items
+    order = sorted(pairs, key=lambda p: p.remote.addr)  # _plan's order: bytes land in it
+    return DigestsAlongside(manifest.digest_algorithm, digest_items(order, tensors), peer)
 
 
 def _verify(manifest: "Manifest", pairs: Sequence[Any], tensors: Mapping[str, "torch.Tensor"],

@@ -16,11 +16,20 @@ at the source is contiguous here and is copied as one block::
              |<-- memfd A -->|  (gap)   |<-- memfd B -->|
     target:  base = reserve(B.end - A.addr, PROT_NONE)
              |<-- map A, RO -->| PROT_NONE |<-- map B, RO -->|
+
+The mapping keeps the received descriptors too: a host-to-host copy reads the memfd
+with ``pread`` (:meth:`HostMapping.read_into`) instead of copying from the mapping.
+Copying from a fresh mapping faults in every source page (a page-table entry per 4 KiB;
+the memfd's shmem has no huge pages unless the host enables them) and unmapping tears
+those entries down again: measured, that cost more than the copy itself
+(docs/benchmarks.md, "Local transport on host memory"). The kernel's copy from the page
+cache needs neither; the mapping stays for copies that need an address (to or from a GPU).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -41,6 +50,12 @@ if TYPE_CHECKING:
 __all__ = ["HostBuffer", "HostMapping", "group_segments", "host_buffer_like"]
 
 log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+# ctypes releases the GIL around a CDLL call: reads on several threads run in parallel.
+_pread = _libc.pread
+_pread.restype = ctypes.c_ssize_t
+_pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
 
 _PROT_NONE = 0
 _PROT_READ = mmap.PROT_READ
@@ -210,8 +225,9 @@ class HostMapping(ClosedOnCollect):
 
     Args:
         segments: the ``memfd`` segments.
-        fds: one descriptor per segment; each is closed once mapped (the mapping keeps
-            the pages), so the caller must not close them again.
+        fds: one descriptor per segment; the mapping owns them from now on (kept for
+            :meth:`read_into`, closed by :meth:`close`, also when this fails), so the
+            caller must not close them.
 
     Raises:
         BackendError: a reservation or mapping failed (what was mapped is unmapped,
@@ -222,6 +238,7 @@ class HostMapping(ClosedOnCollect):
         self._closed = True
         self._ranges: list[tuple[int, int]] = []      # (base, span) reserved
         self._where: list[tuple[int, int, int]] = []  # (src_addr, src_end, local_addr)
+        self._fds: list[int] = []                     # the memfd of each _where entry
         pending = list(fds)
         try:
             for group in group_segments(segments):
@@ -241,31 +258,72 @@ class HostMapping(ClosedOnCollect):
                         raise BackendError(f"mapping a received memfd ({seg.size} bytes) failed: "
                                            f"{_errno_text()}")
                     self._where.append((seg.addr, seg.end, at))
-            self._where.sort()
+                    self._fds.append(fds[i])
+            order = sorted(range(len(self._where)), key=self._where.__getitem__)
+            self._where = [self._where[k] for k in order]
+            self._fds = [self._fds[k] for k in order]
         except BaseException:
             self._unmap()
+            _close_all(pending)
             raise
-        finally:
-            for fd in pending:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
         self._closed = False
+
+    def _find(self, src_addr: int, nbytes: int) -> int:
+        import bisect
+        k = bisect.bisect_right(self._where, (src_addr, float("inf"), 0)) - 1
+        if k >= 0:
+            s, e, _ = self._where[k]
+            if s <= src_addr and src_addr + nbytes <= e:
+                return k
+        raise PeerError(f"source range 0x{src_addr:x}+{nbytes} is not in any shared host segment")
 
     def local_addr(self, src_addr: int, nbytes: int) -> int:
         """Where ``[src_addr, src_addr + nbytes)`` of the source is mapped here.
 
         Raises:
-            PeerError: the range is not inside one mapped group.
+            PeerError: the range is not inside one shared segment.
         """
-        import bisect
-        k = bisect.bisect_right(self._where, (src_addr, float("inf"), 0)) - 1
-        if k >= 0:
-            s, e, at = self._where[k]
-            if s <= src_addr and src_addr + nbytes <= e:
-                return at + (src_addr - s)
-        raise PeerError(f"source range 0x{src_addr:x}+{nbytes} is not in any shared host segment")
+        k = self._find(src_addr, nbytes)
+        s, _, at = self._where[k]
+        return at + (src_addr - s)
+
+    def locate(self, src_addr: int, nbytes: int) -> tuple[int, int]:
+        """``(segment, offset)`` of the source's ``[src_addr, +nbytes)``: which shared
+        memfd holds it (an index for :meth:`read_into`) and where in it.
+
+        Raises:
+            PeerError: the range is not inside one shared segment.
+        """
+        k = self._find(src_addr, nbytes)
+        return k, src_addr - self._where[k][0]
+
+    def read_into(self, segment: int, offset: int, dst_addr: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``offset`` of a shared memfd to ``dst_addr`` (host memory)
+        with ``pread``: the GIL is released, so several threads copy in parallel.
+
+        Raises:
+            ConfigError: the range is outside the segment, or the mapping is closed.
+            BackendError: the read failed (e.g. ``dst_addr`` is not writable memory).
+        """
+        if self._closed:
+            raise ConfigError("HostMapping.read_into() after close()")
+        s, e, _ = self._where[segment]
+        if offset < 0 or nbytes < 0 or offset + nbytes > e - s:
+            raise ConfigError(f"read of {nbytes} bytes at offset {offset} is outside a "
+                              f"shared segment of {e - s} bytes")
+        fd = self._fds[segment]
+        done = 0
+        while done < nbytes:
+            got = _pread(fd, dst_addr + done, nbytes - done, offset + done)
+            if got < 0:
+                if ctypes.get_errno() == errno.EINTR:
+                    continue
+                raise BackendError(f"reading {nbytes} bytes of a shared memfd into 0x{dst_addr:x} "
+                                   f"failed after {done}: {_errno_text()}")
+            if got == 0:  # end of file: the source shrank its memfd under us
+                raise BackendError(f"a shared memfd ended {offset + done} bytes in, before the "
+                                   f"{nbytes} bytes to read at offset {offset}")
+            done += got
 
     def tensor(self, local_addr: int, nbytes: int) -> "torch.Tensor":
         """A uint8 CPU tensor over mapped memory (read-only pages: never write to it)."""
@@ -282,10 +340,21 @@ class HostMapping(ClosedOnCollect):
         self._where.clear()
 
     def close(self) -> None:
-        """Unmap everything. Idempotent. No view over the mapping may be used after."""
+        """Unmap everything and close the descriptors. Idempotent. No view over the
+        mapping may be used after."""
         if self._closed:
             return
         self._closed = True
         self._unmap()
+        fds, self._fds = self._fds, []
+        _close_all(fds)
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 

@@ -62,10 +62,13 @@ def test_pull_copies_every_byte_and_leaves_no_descriptor_in_either_process(make_
         assert res.segments == {"memfd": len(manifest.tensors)}
 
 
-def test_contiguous_source_and_destination_are_copied_in_one_block(make_source):
-    """A host arena's chunks are mapped at their relative offsets, so one run copies once."""
+@pytest.mark.parametrize("layout", ["buffer", "arena"])
+def test_contiguous_runs_are_copied_in_one_read_per_shared_memfd(make_source, layout):
+    """Tensors contiguous at the source and at the destination are one copy, as long as
+    one memfd holds them (a host copy is a pread of one file): a buffer's adjacent
+    tensors merge, a host arena's chunks (one memfd each) do not."""
     from modelexpress.local import host_buffer_like
-    src = make_source("arena", mib=8)
+    src = make_source(layout, mib=8)
     endpoint, manifest = _parts(src)
     # the destination laid out exactly like the source: contiguous in the same order
     shapes = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in manifest.tensors}
@@ -80,8 +83,12 @@ def test_contiguous_source_and_destination_are_copied_in_one_block(make_source):
         res = pull(endpoint, manifest, dst, chunk_bytes=1 << 40)
         assert _equal(src.seed, src.mib, dst)
         ordered = sorted(manifest.tensors, key=lambda t: t.addr)
-        runs = 1 + sum(1 for a, b in zip(ordered, ordered[1:]) if a.addr + a.nbytes != b.addr)
-        assert res.copies == runs < len(ordered), res  # page-sized tensors' chunks are adjacent
+        if layout == "buffer":
+            runs = 1 + sum(1 for a, b in zip(ordered, ordered[1:])
+                           if a.addr + a.nbytes != b.addr)
+            assert res.copies == runs < len(ordered), res
+        else:  # one chunk (memfd) per tensor
+            assert res.copies == len(ordered) == res.segments["memfd"], res
         del dst
     finally:
         buf.close()
