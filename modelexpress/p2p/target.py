@@ -460,6 +460,11 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             # On this thread, before any READ thread exists (see AgentStart).
             with clock.phase("agent_wait"):
                 nixl.start(dest)
+        if opts.verify:
+            # The GPU digest kernel builds beside the rest of the pull (after the agent:
+            # UCX hooks malloc as it starts).
+            from modelexpress.transfer.digest import warm_up_for
+            warm_up_for(dest, opts.device)
         if dest is None:
             with clock.phase("allocate"):
                 dest = allocate_like(sources[0][1], opts.device)

@@ -26,6 +26,20 @@ Three algorithms, named in the manifest so that source and target agree:
     change ``b``.
     It is an integrity check against transfer faults, not a cryptographic hash.
 
+    The Triton kernel is compiled on a machine's first use and loaded once per process
+    and device, which costs far more than a digest (a fresh process's first pull paid
+    it inside verification, issue #24). So it is never built on the critical path:
+    :func:`warm_up` builds it on a background thread (a pull starts it as early as
+    it can), and until it is ready on a device a digest there uses the torch form (no
+    compile; slower per byte, but bounded and the same digest bit for bit)::
+
+        not started ──warm_up()──> warming ──built──> ready    (auto: Triton)
+             │ auto: torch form       │ auto: torch form
+             └────────────────────────┴──failed──> broken      (torch form, logged once)
+
+    The compile mostly runs outside the GIL (MLIR passes, ptxas in a subprocess), so
+    a pull's own Python calls keep running beside it.
+
 The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128``
 (``blake2b-128`` where ``xxhash`` is not installed).
 """
@@ -35,7 +49,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from modelexpress.errors import ConfigError
@@ -44,7 +59,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ALGORITHMS", "BLAKE2B", "WSUM", "XXH3", "default_algorithm", "digest",
-           "digest_many", "can_compute", "prepare"]
+           "digest_many", "can_compute", "kernel_state", "prepare", "wait_for_builds",
+           "warm_up", "warm_up_for"]
 
 log = logging.getLogger(__name__)
 
@@ -144,25 +160,126 @@ def _wsum_words(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _triton_broken: str | None = None  # why the Triton kernel is not used, once it failed
+_WAIT_BUILT_S = 120.0  # impl="triton" waits this long for a build in progress
 
 
-def _triton_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]] | None:
-    """(a, b) of each tensor by the one-pass Triton kernel, or None where it cannot
-    run here (no triton, or it failed once: the torch form takes over, logged once)."""
+def _note_broken(why: str) -> None:
     global _triton_broken
+    if _triton_broken is None:
+        _triton_broken = why
+        log.warning("%s digests on the GPU: %s; using the torch form (about 7x slower, "
+                    "below an NVLink's rate: docs/DEPLOYMENT.md, Digests and speed)",
+                    WSUM, why)
+
+
+def _guarded(call):  # noqa: ANN001, ANN202 - a thunk returning the kernel's result
+    """Run a Triton call; None (and the kernel marked broken) when it cannot run here."""
+    try:
+        return call()
+    except ImportError as exc:
+        _note_broken(f"triton is not importable ({exc})")
+    except Exception as exc:  # noqa: BLE001 - a compiler/driver failure: use the torch form
+        _note_broken(f"the Triton kernel failed ({type(exc).__name__}: {exc})")
+    return None
+
+
+class _KernelBuild:
+    """Builds (compiles or loads from Triton's cache) the kernel for one device on a
+    background thread: the 16-byte-aligned variant first (what a pull's tensors are),
+    then the variant for 4-byte-aligned views. ``lock`` is held while the kernel
+    runs, so the thread and a digest never enter Triton's JIT at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lock = threading.Lock()
+        self.ready: set[bool] = set()  # aligned-to-16 variants built (True / False)
+        self.done = threading.Event()
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"mx-digest-build-{device}")
+
+    def _run(self) -> None:
+        import time
+        began = time.perf_counter()
+        try:
+            import torch
+            from modelexpress.transfer._wsum_triton import wsum_batch
+            buf = torch.zeros(_BLOCK + 8, dtype=torch.uint8, device=self.device)
+            for aligned in (True, False):
+                raw = buf[:_BLOCK] if aligned else buf[4:4 + _BLOCK]
+                with self.lock:
+                    if _guarded(lambda: wsum_batch([raw])) is None:
+                        return
+                self.ready.add(aligned)
+        except ImportError as exc:  # torch itself; triton's own is handled in _guarded
+            _note_broken(f"triton is not importable ({exc})")
+        finally:
+            self.seconds = time.perf_counter() - began
+            self.done.set()
+            log.debug("%s kernel on %s: %s after %.3f s", WSUM, self.device,
+                      "ready" if len(self.ready) == 2 else "not built", self.seconds)
+
+
+_builds: dict[str, _KernelBuild] = {}
+_builds_lock = threading.Lock()
+
+
+def _build_for(device: torch.device, start: bool = True) -> _KernelBuild | None:
+    key = str(device)
+    with _builds_lock:
+        build = _builds.get(key)
+        if build is None and start and _triton_broken is None:
+            build = _builds[key] = _KernelBuild(device)
+            build.thread.start()
+    return build
+
+
+def wait_for_builds(timeout_s: float = _WAIT_BUILT_S) -> None:
+    """Wait until no kernel build runs (bounded; a build still running after
+    ``timeout_s`` is logged and left). For what must not run beside one: creating a
+    NIXL agent (UCX installs malloc hooks while other threads allocate; see
+    ``p2p.readers.AgentStart``)."""
+    import time
+    end = time.monotonic() + timeout_s
+    for build in list(_builds.values()):
+        if not build.done.wait(max(0.0, end - time.monotonic())):
+            log.warning("the %s kernel build on %s still runs after %.0f s; going on",
+                        WSUM, build.device, timeout_s)
+
+
+def kernel_state(device: object) -> str:
+    """Where the Triton kernel stands on ``device`` (a CUDA device or its name):
+    ``"not started"``, ``"warming"``, ``"ready"`` or ``"broken"``."""
     if _triton_broken is not None:
+        return "broken"
+    build = _builds.get(str(device))
+    if build is None:
+        return "not started"
+    return "ready" if len(build.ready) == 2 else ("warming" if not build.done.is_set()
+                                                  else "broken")
+
+
+def _triton_batch(raws: list[torch.Tensor], wait: bool = False) -> list[tuple[int, int]] | None:
+    """(a, b) of each tensor by the one-pass Triton kernel, or None where it cannot run
+    now: no triton, it failed once (the torch form takes over, logged once), or it is
+    not built on this device yet (its build is started; ``wait`` waits for it)."""
+    if _triton_broken is not None or not raws:
+        return None
+    build = _build_for(raws[0].device)
+    if build is None:
+        return None
+    if wait:
+        build.done.wait(_WAIT_BUILT_S)
+    needed = {r.data_ptr() % 16 == 0 for r in raws}
+    # ORDER: never block on the lock: a build holding it is compiling, and the torch
+    # form now costs less than waiting for it.
+    if not needed <= build.ready or not build.lock.acquire(blocking=wait):
         return None
     try:
         from modelexpress.transfer._wsum_triton import wsum_batch
-        return wsum_batch(raws)
-    except ImportError as exc:
-        _triton_broken = f"triton is not importable ({exc})"
-    except Exception as exc:  # noqa: BLE001 - a compiler/driver failure: use the torch form
-        _triton_broken = f"the Triton kernel failed ({type(exc).__name__}: {exc})"
-    log.warning("%s digests on the GPU: %s; using the torch form (about 7x slower, "
-                "below an NVLink's rate: docs/DEPLOYMENT.md, Digests and speed)",
-                WSUM, _triton_broken)
-    return None
+        return _guarded(lambda: wsum_batch(raws))
+    finally:
+        build.lock.release()
 
 
 def _aligned_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -222,11 +339,12 @@ def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
         group = [raws[i] for i in idx]
         got = None
         if impl != "torch" and getattr(device, "type", "cpu") == "cuda":
-            got = _triton_batch(group)
+            got = _triton_batch(group, wait=impl == "triton")
         if got is None:
             if impl == "triton":
-                raise ConfigError(f"the Triton {WSUM} kernel cannot run on {device}: "
-                                  f"{_triton_broken or 'not a CUDA tensor'}")
+                why = _triton_broken or ("its build did not finish" if getattr(
+                    device, "type", "cpu") == "cuda" else "not a CUDA tensor")
+                raise ConfigError(f"the Triton {WSUM} kernel cannot run on {device}: {why}")
             got = _torch_pairs(group)
         for i, pair in zip(idx, got):
             pairs[i] = pair
@@ -234,20 +352,41 @@ def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
             for (a, b), raw in zip(pairs, raws)]
 
 
-_prepared: set[object] = set()  # CUDA devices whose kernel prepare() has loaded
+def warm_up(algorithm: str | None, devices: Iterable[object]) -> None:
+    """Start building the GPU digest kernel on each CUDA device in ``devices`` (torch
+    devices or names such as ``"cuda:0"``) on a background thread; returns at once.
+
+    A no-op for other algorithms, CPU devices, a device whose build already started,
+    and where Triton cannot run (then the torch form is used, as without a warm-up).
+    """
+    if algorithm != WSUM or _triton_broken is not None:
+        return
+    names = {str(d) for d in devices if str(d).startswith("cuda")}
+    if not names:
+        return
+    import torch
+    for name in names:
+        dev = torch.device(name)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        _build_for(dev)
+
+
+def warm_up_for(dest: Mapping[str, torch.Tensor] | None, device: str) -> None:
+    """:func:`warm_up` for a pull's destination: the CUDA devices of ``dest``'s tensors,
+    or ``device`` when the pull allocates them (``dest`` None). GPU destinations are
+    verified with :data:`WSUM` whatever the source, so it is started before the
+    source's manifest says so."""
+    devices = {t.device for t in dest.values()} if dest is not None else {device}
+    warm_up(WSUM, devices)
 
 
 def prepare(algorithm: str | None, tensors: Iterable[torch.Tensor]) -> None:
-    """Load (compiling on first use on a machine) the GPU digest kernel on every
-    CUDA device in ``tensors``, so a pull's first chunk does not wait for it; a no-op
-    for CPU tensors and other algorithms."""
-    if algorithm != WSUM:
-        return
-    import torch
-    devices = {t.device for t in tensors if t.device.type == "cuda"} - _prepared
-    for dev in devices:
-        digest_many([torch.zeros(_BLOCK, dtype=torch.int32, device=dev)], WSUM)
-        _prepared.add(dev)
+    """Start building the GPU digest kernel for ``tensors``' CUDA devices
+    (:func:`warm_up`); returns at once. Chunks verified before it is ready use the
+    torch form. A no-op for CPU tensors and other algorithms."""
+    if algorithm == WSUM:
+        warm_up(algorithm, {t.device for t in tensors})
 
 
 def _check_cpu_algorithm(tensor: torch.Tensor, algorithm: str) -> None:
@@ -270,8 +409,9 @@ def digest_many(tensors: Sequence[torch.Tensor], algorithm: str, *,
         tensors: any tensors (non-contiguous ones are hashed in logical order).
         algorithm: one of :data:`ALGORITHMS`.
         impl: ``wsum-i32-v1`` on CUDA only: ``"auto"`` (the one-pass Triton kernel
-            where Triton works, else torch ops), ``"triton"`` or ``"torch"``. Every
-            form gives the same digest; benchmarks compare them.
+            once it is built on the device, else torch ops; the build is started
+            here if nothing started it), ``"triton"`` (waits for the build) or
+            ``"torch"``. Every form gives the same digest; benchmarks compare them.
 
     Returns:
         One ``"<hex>:<nbytes>"`` string per tensor, in order.

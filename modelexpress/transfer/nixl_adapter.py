@@ -221,6 +221,10 @@ class NixlAgent:
         config = nixl.nixl_agent_config(enable_prog_thread=enable_prog_thread,
                                         enable_listen_thread=False, listen_port=listen_port,
                                         num_threads=num_threads, backends=[])
+        # ORDER: UCX installs malloc hooks while the agent starts, and a GPU digest kernel
+        # built on another thread allocates all along (p2p.readers.AgentStart): wait.
+        from modelexpress.transfer.digest import wait_for_builds
+        wait_for_builds()
         try:
             agent = nixl.nixl_agent(self.name, config)
             plugins = sorted(str(p) for p in agent.get_plugin_list())
