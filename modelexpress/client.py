@@ -18,6 +18,15 @@ would retry, at once, and stays with the replica that answered. One round tries 
 replica once; rounds are separated by a jittered backoff (0.1 s doubling, capped at
 2 s); ``retries`` bounds the extra rounds, ``timeout_s`` each request.
 
+API versions (:mod:`modelexpress.wire`): every request says this client's
+``X-MX-API-Version``; every response says the server's (none: version 1). The client
+keeps each replica's version (replicas can differ in the middle of an upgrade) and
+builds version-dependent bodies for the replica they go to: toward a version-1 server
+it leaves out what that version does not take (a source's ``devices``), so a new
+client keeps working against the previous release. A request an older server still
+refuses (422) says so in its one line: both versions and "upgrade the server"; a
+server that no longer serves this client answers 426, naming both versions.
+
 Retries: a request that never reached the server (connect error) is retried for
 every method. Requests that may have reached it (read timeout, 502-504) are retried
 only when repeating them is harmless, which is every call here except
@@ -33,7 +42,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 import httpx
@@ -47,8 +56,8 @@ from modelexpress.errors import (
 from modelexpress.identity import ModelIdentity
 from modelexpress.settings import MxSettings
 from modelexpress.wire import (
-    AgentInfo, AssignmentsReply, ProgressReply, SourceInfo, TransferInfo,
-    TransferOutcome,
+    API_HEADER, API_VERSION, API_VERSIONS, AgentInfo, AssignmentsReply, ProgressReply,
+    SourceInfo, TransferInfo, TransferOutcome, api_version_of,
 )
 
 __all__ = ["MxClient", "SourceInfo", "TransferInfo", "ProgressReply", "AgentInfo",
@@ -132,8 +141,10 @@ class MxClient(ClosedOnCollect):
         self.timeout_s = timeout_s
         self.retries = retries
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers[API_HEADER] = str(API_VERSION)
         self._http = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
         self._current = 0  # the replica that answered last; tried first
+        self._api: dict[str, int] = {}  # replica URL -> the API version it declared
         self._closed = False
 
     @property
@@ -141,6 +152,32 @@ class MxClient(ClosedOnCollect):
         """The server replica this client talks to now (the first of ``base_urls``
         until one fails)."""
         return self.base_urls[self._current]
+
+    @property
+    def server_api_version(self) -> int | None:
+        """The API version of the replica this client talks to now (None: not asked yet)."""
+        return self._api.get(self.current_url)
+
+    def _learn_version(self, url: str, resp: httpx.Response) -> int:
+        try:
+            version = api_version_of(resp.headers)
+        except ValueError as exc:
+            log.warning("control plane %s: %s; taken as API version 1", url, exc)
+            version = 1
+        if self._api.get(url) != version:
+            self._api[url] = version
+            if version < API_VERSION:
+                log.info("control plane %s speaks API version %d (%s); this client speaks %d "
+                         "and leaves out what version %d lacks until it is upgraded", url,
+                         version, API_VERSIONS.get(version, "an unknown version"), API_VERSION,
+                         version)
+        return version
+
+    def _version_at(self, url: str, timeout: float) -> int:
+        """The replica's API version, asked with ``GET /v1/health`` the first time."""
+        if url not in self._api:
+            self._learn_version(url, self._http.get(url + "/v1/health", timeout=timeout))
+        return self._api[url]
 
     @classmethod
     def from_settings(cls, settings: MxSettings, **overrides: Any) -> "MxClient":
@@ -154,13 +191,15 @@ class MxClient(ClosedOnCollect):
         return cls(settings.server_url, **kwargs)
 
     # --- plumbing ---------------------------------------------------------------
-    def _send(self, method: str, path: str, *, json: Any = None,
+    def _send(self, method: str, path: str, *, json: Any | Callable[[int], Any] = None,
               params: dict[str, Any] | None = None, idempotent: bool = True,
               timeout_s: float | None = None) -> httpx.Response:
         """One request, failing over between replicas and retrying (module docstring).
 
         Each round tries every replica once, starting with the one that answered last;
         rounds are separated by a jittered backoff; at most ``retries + 1`` rounds.
+        ``json`` may be a function of the replica's API version (a body that depends
+        on what the server takes).
         """
         if self._closed:
             raise ControlPlaneError(f"MxClient for {self.base_url} is closed")
@@ -183,8 +222,10 @@ class MxClient(ClosedOnCollect):
                 url = self.base_urls[i]
                 attempts += 1
                 try:
-                    resp = self._http.request(method, url + path, json=json, params=params,
+                    body = json(self._version_at(url, timeout)) if callable(json) else json
+                    resp = self._http.request(method, url + path, json=body, params=params,
                                               timeout=timeout)
+                    self._learn_version(url, resp)
                 except httpx.TransportError as exc:
                     reason = f"{url}: {type(exc).__name__}: {exc}"
                     last_resp = None
@@ -214,7 +255,7 @@ class MxClient(ClosedOnCollect):
             f"{'every server (' + self.base_url + ')' if n > 1 else self.base_url}; "
             f"last: {reason}")
 
-    def _request(self, method: str, path: str, *, json: Any = None,
+    def _request(self, method: str, path: str, *, json: Any | Callable[[int], Any] = None,
                  params: dict[str, Any] | None = None, idempotent: bool = True,
                  timeout_s: float | None = None) -> Any:
         resp = self._send(method, path, json=json, params=params, idempotent=idempotent,
@@ -232,6 +273,16 @@ class MxClient(ClosedOnCollect):
         except ValueError:
             detail = resp.text
         msg = f"{method} {path}: HTTP {status}: {detail}"
+        if status == 426:  # the server's line already names both versions
+            raise ControlPlaneError(f"{method} {path}: {detail}")
+        try:
+            server_api = api_version_of(resp.headers)  # what the answering server speaks
+        except ValueError:
+            server_api = 1
+        if status == 422 and server_api < API_VERSION:
+            msg += (f" (the control plane at {resp.request.url.host}:{resp.request.url.port} "
+                    f"speaks API version {server_api}, this client version {API_VERSION}: "
+                    "upgrade the server; servers go first, see docs/DEPLOYMENT.md, Upgrading)")
         if status == 404:
             raise NotFoundError(msg)
         if status == 409:
@@ -269,7 +320,8 @@ class MxClient(ClosedOnCollect):
     def publish_source(self, identity: ModelIdentity, worker_id: str, *,
                        manifest: dict[str, Any], agent_metadata: bytes = b"",
                        endpoint: str = "",
-                       state: Literal["INITIALIZING", "READY"] = "READY") -> SourceInfo:
+                       state: Literal["INITIALIZING", "READY"] = "READY",
+                       devices: Sequence[str] = ()) -> SourceInfo:
         """Publish (or re-publish) this worker's source for ``identity``.
 
         Args:
@@ -279,6 +331,9 @@ class MxClient(ClosedOnCollect):
             agent_metadata: NIXL agent metadata bytes (sent base64).
             endpoint: how peers reach the worker's NIXL agent.
             state: READY, or INITIALIZING while the weights are still loading.
+            devices: UUIDs of the GPUs the served memory is on (API version 2; left
+                out for a version-1 server, which has no place for them: they are
+                also in the manifest's attributes).
 
         Returns:
             The stored source; its ``id`` is what :meth:`heartbeat` takes.
@@ -289,7 +344,11 @@ class MxClient(ClosedOnCollect):
         body = {"identity": identity.to_dict(), "worker_id": worker_id, "endpoint": endpoint,
                 "agent_metadata": base64.b64encode(agent_metadata).decode(),
                 "manifest": manifest, "state": state}
-        return _reply(SourceInfo, self._request("PUT", "/v1/sources", json=body))
+
+        def for_version(version: int) -> dict[str, Any]:
+            return {**body, "devices": list(devices)} if version >= 2 and devices else body
+
+        return _reply(SourceInfo, self._request("PUT", "/v1/sources", json=for_version))
 
     def heartbeat(self, source_id: str,
                   state: Literal["INITIALIZING", "READY", "STALE"] | None = None) -> SourceInfo:

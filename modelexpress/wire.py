@@ -18,6 +18,13 @@ Request bodies (what a client sends and the server validates strictly, with boun
 stay in ``modelexpress.server.models``. :class:`TransferOutcome` is here because it
 travels both ways: in a worker's finish report and in the record's ``outcome``.
 
+API versions: every request carries ``X-MX-API-Version`` (:data:`API_HEADER`) with the
+client's :data:`API_VERSION`, every response the server's, and ``GET /v1/health``
+says the server's range (:class:`HealthReply`). A peer that sends none is version 1,
+the API before versions were exchanged. Each side serves the previous version for
+everything that version has (:data:`API_VERSIONS` says what each added); what it
+cannot do fails with one line naming both versions and what to upgrade.
+
 Sources come in three shapes over one set of fields::
 
     SourceSummary            lists, publish and heartbeat replies
@@ -38,6 +45,7 @@ from pydantic.dataclasses import dataclass
 from modelexpress.identity import ModelIdentity
 
 __all__ = [
+    "API_HEADER", "API_VERSION", "API_VERSIONS", "MIN_API_VERSION", "api_version_of",
     "SOURCE_STATES", "TRANSFER_STATES", "TRANSPORT_PATTERN", "VERDICTS",
     "SourceStateName", "TransferStateName",
     "TransferOutcome", "SourceSummary", "SourceInfo", "SourceDetail", "TransferInfo",
@@ -56,6 +64,42 @@ TRANSPORT_PATTERN = r"^[A-Za-z0-9_]{1,32}(\+[A-Za-z0-9_]{1,32}){0,15}$"
 
 VERDICTS = ("ok", "slow", "unknown")
 """Rate verdicts (``modelexpress.transfer.transport``: VERDICT_OK, VERDICT_SLOW, UNKNOWN)."""
+
+API_HEADER = "X-MX-API-Version"
+"""The header that carries a request's (client's) or a response's (server's) API version."""
+
+API_VERSION = 2
+"""The control-plane API version this release speaks."""
+
+MIN_API_VERSION = 1
+"""The oldest version of the other side this release still works with."""
+
+API_VERSIONS: dict[int, str] = {
+    1: "the API before versions were exchanged (no X-MX-API-Version header; modelexpress "
+       "up to commit fb298dc)",
+    2: "X-MX-API-Version on every request and response; health reports the server's API "
+       "range; a source record names its GPUs by UUID (devices)",
+}
+"""What each API version added (the upgrade notes a version mismatch points at)."""
+
+
+def api_version_of(headers: Any) -> int:
+    """The API version a request's or response's headers declare; 1 when they declare none.
+
+    Raises:
+        ValueError: the header is not a positive whole number.
+    """
+    raw = headers.get(API_HEADER)
+    if raw is None:
+        return 1
+    try:
+        version = int(str(raw).strip())
+    except ValueError:
+        raise ValueError(f"{API_HEADER}: {raw!r} is not a whole number") from None
+    if version < 1:
+        raise ValueError(f"{API_HEADER}: {version} is not a version (they start at 1)")
+    return version
+
 
 _REPLY = ConfigDict(extra="ignore")
 _Seconds = Annotated[float, Field(ge=0, le=1e7, allow_inf_nan=False)]
@@ -138,6 +182,10 @@ class SourceSummary(_Parse):
                         "shapes, sizes, digests; not addresses): sources of one identity "
                         "with equal fingerprints serve the same weights. Empty for "
                         "records published before fingerprints.")
+    devices: tuple[str, ...] = Field(
+        (), description="UUIDs of the GPUs whose memory the source serves (GPU-...), as "
+                        "nvidia-smi -L and CUDA_VISIBLE_DEVICES name them; empty for host "
+                        "memory and for records of API version 1 publishers.")
 
     @property
     def model_identity(self) -> ModelIdentity:
@@ -227,6 +275,10 @@ class HealthReply(_Parse):
     status: Literal["ok", "degraded"]
     store: str
     detail: str = ""
+    api_version: int = Field(1, description="The server's API version (1: a server that "
+                                            "predates versions and does not say).")
+    min_api_version: int = Field(1, description="The oldest client API version it serves.")
+    version: str = Field("", description="The server's modelexpress release.")
 
 
 @dataclass(frozen=True, config=_REPLY)

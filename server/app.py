@@ -23,6 +23,12 @@ GET      /v1/health                            no auth
 GET      /metrics                              Prometheus
 =======  ====================================  ===========================================
 
+API versions (``modelexpress.wire``): every response carries ``X-MX-API-Version``
+(this server's version); a request's header is the client's (none: version 1). A
+client older than ``MIN_API_VERSION`` gets a 426 naming both versions; an older one
+within the range is served what its version has (what it does not send takes the
+defaults), a newer one is served this version's API and adapts itself.
+
 Errors are ``{"detail": "..."}`` with 401 (token), 404 (unknown id), 409 (illegal
 transition, or a manifest conflicting with a READY source: ``content.py``), 413 (too
 large), 422 (bad body or query), 503 (store unavailable).
@@ -67,6 +73,7 @@ from modelexpress.server.service import ControlPlane
 from modelexpress.server.states import SourceState, TransferState
 from modelexpress.server.store import Store, open_store
 from modelexpress.settings import MxSettings
+from modelexpress.wire import API_HEADER, API_VERSION, MIN_API_VERSION, api_version_of
 
 __all__ = ["create_app", "MAX_POLL_WAIT_S"]
 
@@ -119,10 +126,11 @@ class _Gate:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), _VERSION_HEADER]}
             await send(message)
 
         try:
-            denied = self._deny(scope)
+            denied = self._deny(scope) or _version_refusal(scope)
             if denied is not None:
                 await denied(scope, receive, send_status)
             else:
@@ -150,6 +158,25 @@ class _Gate:
                 return _json_error(413, f"request body of {int(length)} bytes exceeds the "
                                         f"limit of {self._max_body} bytes")
         return None
+
+
+_VERSION_HEADER = (API_HEADER.lower().encode(), str(API_VERSION).encode())
+
+
+def _version_refusal(scope: dict) -> JSONResponse | None:
+    """A 426 for a client this server no longer serves (or a malformed version header)."""
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    try:
+        client = api_version_of({API_HEADER: headers[API_HEADER.lower()]}
+                                if API_HEADER.lower() in headers else {})
+    except ValueError as exc:
+        return _json_error(400, str(exc))
+    if client >= MIN_API_VERSION:
+        return None
+    return _json_error(426, f"this client speaks control-plane API version {client}; this "
+                            f"server (modelexpress {modelexpress.__version__}) speaks "
+                            f"version {API_VERSION} and serves clients of versions "
+                            f"{MIN_API_VERSION} to {API_VERSION}: upgrade the client")
 
 
 class _Wakeup:
@@ -270,6 +297,9 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
         return _json_error(400, str(exc))
 
     # --- health and metrics -----------------------------------------------------
+    versions = {"api_version": API_VERSION, "min_api_version": MIN_API_VERSION,
+                "version": modelexpress.__version__}
+
     @app.get("/v1/health", response_model=HealthOut, tags=["meta"])
     async def health(response: Response) -> HealthOut:
         """Liveness and store reachability. Never needs the token."""
@@ -277,8 +307,9 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
             the_store.ping()
         except StoreError as exc:
             response.status_code = 503
-            return HealthOut(status="degraded", store=the_store.url, detail=str(exc))
-        return HealthOut(status="ok", store=the_store.url)
+            return HealthOut(status="degraded", store=the_store.url, detail=str(exc),
+                             **versions)
+        return HealthOut(status="ok", store=the_store.url, **versions)
 
     @app.get("/metrics", tags=["meta"], response_class=Response,
              responses={200: {"content": {"text/plain": {}}}})
@@ -296,7 +327,8 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
             return cp.publish_source(body.identity.to_identity(), body.worker_id,
                                      endpoint=body.endpoint,
                                      agent_metadata=body.agent_metadata,
-                                     manifest=body.manifest, state=SourceState(body.state))
+                                     manifest=body.manifest, state=SourceState(body.state),
+                                     devices=body.devices)
         except ValidationError as exc:  # the only one publish raises: manifest too large
             return _json_error(413, str(exc))
 

@@ -41,6 +41,8 @@ EntityId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:\
 IdentityId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 Text = Annotated[str, StringConstraints(max_length=1024)]
 Count = Annotated[int, Field(ge=0, le=1 << 62)]
+GpuUuid = Annotated[str, StringConstraints(pattern=r"^(GPU|MIG)-[0-9A-Za-z-]{1,64}$")]
+"""A GPU as ``nvidia-smi -L`` names it (``GPU-<uuid>``, ``MIG-<uuid>``)."""
 
 MAX_METADATA_B64 = 16 << 20
 """Base64 characters of NIXL agent metadata we accept (real metadata is a few KiB)."""
@@ -86,6 +88,8 @@ class SourcePublish(_Model):
     manifest: dict[str, Any] = Field(
         description="The transfer layer's manifest; stored as opaque JSON within a size limit.")
     state: Literal[SourceState.INITIALIZING, SourceState.READY] = SourceState.READY
+    devices: Annotated[list[GpuUuid], Field(max_length=64)] = Field(
+        [], description="API version 2: UUIDs of the GPUs whose memory the source serves.")
 
     @field_validator("agent_metadata")
     @classmethod

@@ -16,6 +16,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from modelexpress.errors import ConflictError, NotFoundError, ValidationError
@@ -83,9 +84,11 @@ class ControlPlane:
         return src
 
     def publish_source(self, identity: ModelIdentity, worker_id: str, *, endpoint: str,
-                       agent_metadata: str, manifest: dict[str, Any], state: SourceState
-                       ) -> Record:
+                       agent_metadata: str, manifest: dict[str, Any], state: SourceState,
+                       devices: Sequence[str] = ()) -> Record:
         """Create or replace the source of ``worker_id`` for ``identity``.
+
+        ``devices``: UUIDs of the GPUs the source serves from (API version 2 publishers).
 
         Raises:
             ValidationError: the manifest is larger than ``max_manifest_bytes`` (413).
@@ -109,6 +112,7 @@ class ControlPlane:
             "worker_id": worker_id, "endpoint": endpoint, "state": state.value,
             "created_at": old["created_at"] if old else now, "updated_at": now,
             "last_heartbeat": now, "manifest_bytes": len(blob), "fingerprint": fp,
+            "devices": list(devices),
         }
         # Blob first: a reader that finds the summary must also find its manifest.
         self.store.put("blobs", {"id": sid, "manifest": manifest, "agent_metadata": agent_metadata})

@@ -32,8 +32,8 @@ from modelexpress.errors import PeerError
 if TYPE_CHECKING:
     from modelexpress.local.protocol import Segment
 
-__all__ = ["CudaDevices", "DeviceInventory", "StaticDevices", "gpu_uuid", "local_segments",
-           "ordinal_of", "uuid_of", "visible_devices_text"]
+__all__ = ["CudaDevices", "DeviceInventory", "StaticDevices", "gpu_uuid", "gpus_of",
+           "local_segments", "ordinal_of", "uuid_of", "visible_devices_text"]
 
 log = logging.getLogger(__name__)
 
@@ -155,3 +155,18 @@ def local_segments(segments: Sequence["Segment"], devices: DeviceInventory,
                             "the local transport")
         out.append(dataclasses.replace(seg, device=ordinal))
     return out
+
+
+def gpus_of(tensors: Iterable[object], inventory: DeviceInventory | None = None) -> dict[str, str]:
+    """``{"cuda:N": UUID}`` for the CUDA devices the given tensors are on (none: ``{}``).
+
+    What a source publishes beside its manifest's ``cuda:N`` devices (those stay the
+    source's own ordinals: NIXL's remote descriptors need them) so that other
+    processes know which GPUs they are.
+    """
+    ordinals = sorted({t.device.index or 0 for t in tensors  # type: ignore[attr-defined]
+                       if getattr(getattr(t, "device", None), "type", "") == "cuda"})
+    if not ordinals:
+        return {}
+    inv = inventory or CudaDevices()
+    return {f"cuda:{k}": uuid_of(inv, k) for k in ordinals if uuid_of(inv, k)}

@@ -206,6 +206,10 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
     local_source = None
     try:
         t0 = time.perf_counter()
+        from modelexpress.local.devices import gpus_of
+        gpus = gpus_of(tensors.values())  # GPUs by UUID for other processes (#23)
+        if gpus:
+            attributes = {**(attributes or {}), "gpus": gpus}
         if local is not None and local.enabled:
             local_source = _serve_locally(local, tensors, arena, host_buffers)
             if local_source is not None:
@@ -224,7 +228,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         wid = worker_id or default_worker_id("source")
         info = client.publish_source(identity, wid, manifest=json.loads(manifest_json),
                                      agent_metadata=mgr.get_agent_metadata(),
-                                     endpoint=endpoint or f"{socket.gethostname()}:{mgr.name}")
+                                     endpoint=endpoint or f"{socket.gethostname()}:{mgr.name}",
+                                     devices=tuple(dict.fromkeys(gpus.values())))
     except BaseException:
         if local_source is not None:
             local_source.close()
@@ -240,9 +245,9 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         except OSError as exc:
             log.warning("source %s: no guardian (%s); if this process is killed the source "
                         "stays READY until the server times it out", info.id, exc)
-    log.info("source %s serving %s: %d tensors, %d bytes, %d %s regions%s, published in %.3f s",
-             info.id, identity.model, len(manifest.tensors), manifest.total_bytes,
-             registration.regions, registration.strategy,
+    log.info("source %s serving %s: %d tensors, %d bytes on %s, %d %s regions%s, published "
+             "in %.3f s", info.id, identity.model, len(manifest.tensors), manifest.total_bytes,
+             ", ".join(gpus.values()) or "the host", registration.regions, registration.strategy,
              f", local transport on {local_source.path}" if local_source is not None else "",
              time.perf_counter() - t0)
     return SourceHandle(client=client, identity=identity, source_id=info.id, worker_id=wid,

@@ -191,3 +191,21 @@ def test_pull_takes_the_inventory_through_to_its_session(fake_source: _ProtocolS
     with pytest.raises(PeerError, match=f"on GPU {GPU_B}.*GPUs here: {GPU_A}"):
         pull(fake_source.endpoint, manifest, {"w": torch.empty(1 << 20, dtype=torch.uint8)},
              verify=False, inventory=StaticDevices([GPU_A]))
+
+
+def test_a_source_names_the_gpus_of_its_tensors_by_uuid() -> None:
+    """What serve_source publishes beside the manifest's cuda:N (the manifest attribute
+    ``gpus`` and the source record's ``devices``); host tensors name none."""
+    import types
+
+    import torch
+
+    from modelexpress.local.devices import gpus_of
+
+    def on(kind: str, index: int | None = None) -> object:
+        return types.SimpleNamespace(device=types.SimpleNamespace(type=kind, index=index))
+
+    inv = StaticDevices([GPU_A, GPU_B])
+    assert gpus_of([on("cuda", 1), on("cuda", 1), on("cpu")], inv) == {"cuda:1": GPU_B}
+    assert gpus_of([on("cuda", None)], inv) == {"cuda:0": GPU_A}
+    assert gpus_of([torch.zeros(2)], inv) == {}
