@@ -122,7 +122,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
 
         if not init_info.model:
             raise ConfigError("init_info.model (the run's name) must be non-empty")
-        settings = MxSettings()
+        settings = MxSettings.load()  # a bad MX_* value is one line (ConfigError)
         if init_info.server_url:
             settings = settings.model_copy(update={"server_url": init_info.server_url})
         client = MxClient.from_settings(settings)
