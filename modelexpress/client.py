@@ -279,7 +279,11 @@ class MxClient(ClosedOnCollect):
             server_api = api_version_of(resp.headers)  # what the answering server speaks
         except ValueError:
             server_api = 1
-        if status == 422 and server_api < API_VERSION:
+        # An older server refuses what it does not know: a field (422) or a route (FastAPI's
+        # own 404 "Not Found" and 405, not ours, which name the missing record).
+        unknown = status == 422 or (status in (404, 405) and detail in ("Not Found",
+                                                                        "Method Not Allowed"))
+        if unknown and server_api < API_VERSION:
             msg += (f" (the control plane at {resp.request.url.host}:{resp.request.url.port} "
                     f"speaks API version {server_api}, this client version {API_VERSION}: "
                     "upgrade the server; servers go first, see docs/DEPLOYMENT.md, Upgrading)")

@@ -17,6 +17,7 @@ the same way against this checkout's server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -31,13 +32,17 @@ import httpx
 import pytest
 
 from modelexpress.client import MxClient
-from modelexpress.errors import ControlPlaneError, ValidationError
+from modelexpress.errors import ControlPlaneError, NotFoundError, ValidationError
 from modelexpress.identity import ModelIdentity
 from modelexpress.wire import API_HEADER, API_VERSION, MIN_API_VERSION
 from mx_server_procs import TOKEN, ServerProc, free_port
 
 OLD_RELEASE = "fb298dc5482ba6fb5f075bbdc9c01b59acee0b1f"
 """The last commit whose server and client exchange no API version (API version 1)."""
+
+OLDER_RELEASE = "3fa33f5267d7e80bd90b06603583b4e73a641269"
+"""A server from before tracked pulls (no ``run_by_target``, no candidates route): the
+HTTP 422 the issue reports; also version 1, and this client cannot work with it."""
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _DEADLINE_S = 60.0
@@ -49,13 +54,13 @@ def _git(*args: str) -> str:
                           check=True, timeout=120).stdout
 
 
-@pytest.fixture(scope="module")
-def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pathlib.Path]:
-    """The previous release's tree, removed (worktree and its metadata) at the end."""
+@contextlib.contextmanager
+def _release_tree(commit: str, parent: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A worktree of ``commit``, removed (worktree and its metadata) at the end."""
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs git and this repository's history")
-    tree = tmp_path_factory.mktemp("old-release") / "tree"
-    _git("worktree", "add", "--detach", str(tree), OLD_RELEASE)
+    tree = parent / "tree"
+    _git("worktree", "add", "--detach", str(tree), commit)
     try:
         # The installed package maps modelexpress.server -> server/ with a finder that
         # would resolve to THIS checkout; links make the old tree self-contained.
@@ -67,6 +72,13 @@ def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pathlib.Path]
         _git("worktree", "prune")
 
 
+@pytest.fixture(scope="module")
+def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pathlib.Path]:
+    """The previous release's tree."""
+    with _release_tree(OLD_RELEASE, tmp_path_factory.mktemp("old-release")) as tree:
+        yield tree
+
+
 def _old_env(tree: pathlib.Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
     env["PYTHONPATH"] = str(tree)
@@ -76,11 +88,11 @@ def _old_env(tree: pathlib.Path) -> dict[str, str]:
 class OldServer:
     """The previous release's ``python -m modelexpress.server`` (SQLite, token)."""
 
-    def __init__(self, tree: pathlib.Path, tmp: pathlib.Path) -> None:
+    def __init__(self, tree: pathlib.Path, tmp: pathlib.Path, token: str | None = TOKEN) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "old-server.log"
-        env = {**_old_env(tree), "MX_SERVER_TOKEN": TOKEN}
+        env = {**_old_env(tree), **({"MX_SERVER_TOKEN": token} if token else {})}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "modelexpress.server", "--host", "127.0.0.1", "--port",
@@ -116,6 +128,15 @@ def old_server(old_tree: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
     srv = OldServer(old_tree, tmp_path_factory.mktemp("old-server"))
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def older_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OldServer]:
+    tmp = tmp_path_factory.mktemp("older-release")
+    with _release_tree(OLDER_RELEASE, tmp) as tree:
+        srv = OldServer(tree, tmp, token=None)  # tokens came later too
+        yield srv
+        srv.stop()
 
 
 def _identity(name: str) -> ModelIdentity:
@@ -200,6 +221,27 @@ def test_a_whole_pull_through_the_old_server(old_server: OldServer) -> None:
         assert record.outcome.transport == result.transport
     assert got.keys() == tensors.keys()
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+def test_what_a_much_older_server_lacks_is_one_line_naming_both_versions(
+        older_server: OldServer) -> None:
+    """The issue's case: a server before tracked pulls answers 422 to run_by_target and
+    404 to the candidates route; each failure is one line saying whom to upgrade."""
+    with MxClient(older_server.url, timeout_s=30, retries=0) as c:
+        ident = _identity("older")
+        src = c.publish_source(ident, "w", manifest={"tensors": []}, devices=[GPU])
+        assert c.server_api_version == 1 and src.state == "READY"
+        with pytest.raises(ValidationError) as err:
+            c.start_transfer(ident, "target", run_by_target=True)
+        refused = c.list_transfers()  # nothing was created
+        with pytest.raises(NotFoundError) as missing:
+            c.rank_sources(ident)
+    for line in (str(err.value), str(missing.value)):
+        assert "\n" not in line
+        assert (f"speaks API version 1, this client version {API_VERSION}: upgrade the server"
+                in line), line
+    assert "run_by_target" in str(err.value) and refused == []
+    assert "HTTP 404: Not Found" in str(missing.value)
 
 
 _OLD_CLIENT = textwrap.dedent("""
