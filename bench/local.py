@@ -19,8 +19,41 @@ installed, the source also times registering its tensors with NIXL (per tensor; 
 arena chunk) and the agent metadata size: the cost a source would skip if every peer
 were local.
 
+Two more modes (issue #24):
+
+``--host`` (CPU): a source process loads a generated Llama-shaped checkpoint into a
+memfd-backed buffer (``load_checkpoint_shared``, what ``modelexpress publish`` does)
+and serves it; this process pulls it over the local transport with digests verified
+(``modelexpress.local.pull``) and measures, interleaved in each round so that a busy
+machine moves them together: ``memcpy_warm`` (``copy_`` between two touched buffers
+of the same size, bench/p2p.py's memcpy), ``memcpy_fresh`` (into a new allocation:
+the page faults every load into new memory pays), the pull into a new destination
+(``allocate_like``, as ``modelexpress pull`` does) and into a touched one, loading the
+same checkpoint from a warm page cache (``time_disk_load``), and the copy strategies
+one by one (each a whole pull: connect, map, copy, digests, close): copies from the
+mapping with torch (the transport before issue #24), ``pread`` on one thread then on
+N threads with digests after the copy, and with digests alongside (what ``pull``
+does). Ratios are per round (same moment), medians reported, and from each
+measurement's best round (``best_ratios``: what the machine does when nothing else
+runs, on a shared CI machine the steadier figure). Cases ``1gib``
+(1.07 GB, 57 tensors) and ``70mb`` (70.5 MB, 33 tensors).
+
+``--gpu-first`` (GPU): first vs later verified pull in fresh processes. A source
+process serves ``--layers`` layers of the 70B TP=8 rank on cuda:0; each target is a
+fresh process that pulls three times onto cuda:0 (``modelexpress.local.pull``,
+digests verified), in two modes: ``auto`` (the code as shipped: the digest kernel
+builds on a background thread, digests use the torch form until it is ready) and
+``inline`` (the code before issue #24: the first verification waits for the kernel,
+``impl="triton"``); each with an empty Triton cache (``TRITON_CACHE_DIR`` fresh) and
+with a warm one. Reported per target: each pull's seconds, copy and verify phases,
+the kernel's state and build time; ``first_over_later`` is the first pull's seconds
+over the median of the later ones, and ``first_verify_within`` checks the issue's
+bound (first verification within max(2 x data plane, 50 ms)).
+
 Prints one line per result and ONE JSON object on the last line.
 Usage: python bench/local.py [--layers 80] [--repeat 3] [--arena off,on] [--dst cuda:0,cuda:1]
+       python bench/local.py --host [--cases 1gib,70mb] [--rounds 5]
+       python bench/local.py --gpu-first [--layers 28] [--trials 2]
 """
 
 from __future__ import annotations
@@ -245,17 +278,329 @@ def run_case(args: argparse.Namespace, arena_mode: str, dst: str, tmp: str) -> d
                 proc.kill()
 
 
+# -- --host: host pulls against memcpy and a warm page-cache load ---------------------------
+HOST_CASES = {  # name -> checkpoint LlamaShape arguments (bf16)
+    "1gib": dict(hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=32000, layers=9),
+    "70mb": dict(hidden=384, intermediate=1536, heads=6, kv_heads=6, vocab=30522, layers=5),
+}
+
+
+def serve_host(args: argparse.Namespace) -> None:
+    """Source process of --host: the checkpoint in a memfd-backed buffer, served locally."""
+    from modelexpress.checkpoint import load_checkpoint_shared
+    from modelexpress.local import LocalSource, host_id, publish_attributes
+    from modelexpress.transfer.manifest import build_manifest
+    buf, tensors = load_checkpoint_shared(args.serve_host)
+    src = LocalSource(args.ipc_dir, host_id=host_id())
+    src.add_host_buffer(buf)
+    manifest = build_manifest(tensors, agent_name="bench-local-host",
+                              attributes=publish_attributes(src))
+    src.start()
+    tmp = args.info + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"endpoint": src.endpoint.to_json(), "manifest": manifest.to_json()}, f)
+    os.rename(tmp, args.info)
+    sys.stdin.read()
+    src.close()
+    buf.close()
+
+
+def _start_source(cmd: list[str], info_path: str) -> tuple[subprocess.Popen, dict[str, Any]]:
+    proc = subprocess.Popen([sys.executable, __file__, *cmd, "--info", info_path],
+                            stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(info_path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"source failed (exit {proc.poll()})")
+        time.sleep(0.1)
+    return proc, json.load(open(info_path))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _variant(endpoint: Any, manifest: Any, dest: dict[str, Any], how: str) -> float:
+    """One whole pull done a given way (connect, map, copy, digests, close); seconds."""
+    import torch
+
+    from modelexpress.local import LocalSession
+    from modelexpress.local.hostcopy import HostCopier
+    from modelexpress.transfer.digest import digest_many
+    t0 = time.perf_counter()
+    with LocalSession(endpoint) as s:
+        order = sorted(manifest.tensors, key=lambda t: t.addr)
+        if how == "mapped_torch":  # before issue #24: torch copy_ out of the mapping
+            import ctypes
+            for t in order:
+                if t.nbytes:
+                    src = (ctypes.c_uint8 * t.nbytes).from_address(
+                        s.local_addr(t.addr, t.nbytes, host=True))
+                    dest[t.name].view(-1).view(torch.uint8).copy_(
+                        torch.frombuffer(src, dtype=torch.uint8))
+        else:
+            copier = HostCopier(s.host_map, threads=1 if how == "pread_1" else None)
+            copier.copy([(*s.host_segment(t.addr, t.nbytes), dest[t.name].data_ptr(), t.nbytes)
+                         for t in order if t.nbytes])
+            copier.close()
+        got = digest_many([dest[t.name] for t in order], manifest.digest_algorithm)
+        assert got == [t.digest for t in order], f"{how}: digests differ"
+    return time.perf_counter() - t0
+
+
+def _median(xs: list[float]) -> float:
+    import statistics
+    return statistics.median(xs)
+
+
+def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
+    import torch
+
+    from modelexpress.checkpoint import LlamaShape, generate_llama_checkpoint, time_disk_load
+    from modelexpress.local import LocalEndpoint, pull
+    from modelexpress.local.hostcopy import copy_threads
+    from modelexpress.p2p.target import allocate_like
+    from modelexpress.transfer.manifest import Manifest
+    ckpt = os.path.join(tmp, f"ckpt-{name}")
+    generate_llama_checkpoint(ckpt, LlamaShape(**HOST_CASES[name]))
+    proc, info = _start_source(["--serve-host", ckpt, "--ipc-dir", os.path.join(tmp, "ipc")],
+                               os.path.join(tmp, f"info-{name}.json"))
+    try:
+        endpoint = LocalEndpoint.from_json(info["endpoint"])
+        manifest = Manifest.from_json(info["manifest"])
+        total = manifest.total_bytes
+        src = torch.ones(total, dtype=torch.uint8)
+        dst = torch.zeros(total, dtype=torch.uint8)
+        warm_dest = allocate_like(manifest)
+        for t in warm_dest.values():
+            t.view(-1).view(torch.uint8).fill_(0)
+        time_disk_load(ckpt, cold=False)  # the page cache holds the checkpoint from here on
+        keys = ("memcpy_warm", "memcpy_fresh", "pull_fresh", "pull_warm", "disk_warm",
+                "mapped_torch", "pread_1", "pread_n")
+        times: dict[str, list[float]] = {k: [] for k in keys}
+        phases_fresh: list[dict[str, float]] = []
+        phases_warm: list[dict[str, float]] = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times["memcpy_warm"].append(time.perf_counter() - t0)
+            fresh = torch.empty(total, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            fresh.copy_(src)
+            times["memcpy_fresh"].append(time.perf_counter() - t0)
+            del fresh
+            dest = allocate_like(manifest)  # new memory, as `modelexpress pull` gets it
+            r = pull(endpoint, manifest, dest, verify=True)
+            assert r.verified == len(manifest.tensors), r
+            times["pull_fresh"].append(r.seconds)
+            phases_fresh.append(r.phases)
+            del dest
+            r = pull(endpoint, manifest, warm_dest, verify=True)
+            times["pull_warm"].append(r.seconds)
+            phases_warm.append(r.phases)
+            times["disk_warm"].append(time_disk_load(ckpt, cold=False))
+            for how in ("mapped_torch", "pread_1", "pread_n"):
+                times[how].append(_variant(endpoint, manifest, warm_dest, how))
+
+        def ratio(num: str, den: str) -> float:  # den time / num time, per round: GB/s ratio
+            return round(_median([b / a for a, b in zip(times[num], times[den])]), 3)
+
+        def best_ratio(num: str, den: str) -> float:  # the same from each one's best round
+            return round(min(times[den]) / min(times[num]), 3)
+
+        out: dict[str, Any] = {
+            "case": name, "bytes": total, "tensors": len(manifest.tensors), "rounds": rounds,
+            "copy_threads": copy_threads(), "digest": manifest.digest_algorithm,
+            "median_s": {k: round(_median(v), 4) for k, v in times.items()},
+            "gbps": {k: round(total / _median(v) / 1e9, 2) for k, v in times.items()},
+            "pull_warm_vs_memcpy_warm": ratio("pull_warm", "memcpy_warm"),
+            "pull_fresh_vs_memcpy_fresh": ratio("pull_fresh", "memcpy_fresh"),
+            "pull_fresh_vs_memcpy_warm": ratio("pull_fresh", "memcpy_warm"),
+            "pull_fresh_vs_disk_warm": ratio("pull_fresh", "disk_warm"),
+            "strategies_vs_memcpy_warm": {k: ratio(k, "memcpy_warm") for k in
+                                          ("mapped_torch", "pread_1", "pread_n", "pull_warm")},
+            "best_s": {k: round(min(v), 4) for k, v in times.items()},
+            "best_ratios": {
+                "pull_warm_vs_memcpy_warm": best_ratio("pull_warm", "memcpy_warm"),
+                "pull_fresh_vs_memcpy_fresh": best_ratio("pull_fresh", "memcpy_fresh"),
+                "pull_fresh_vs_memcpy_warm": best_ratio("pull_fresh", "memcpy_warm"),
+                "pull_fresh_vs_disk_warm": best_ratio("pull_fresh", "disk_warm"),
+                **{f"{k}_vs_memcpy_warm": best_ratio(k, "memcpy_warm")
+                   for k in ("mapped_torch", "pread_1", "pread_n")}},
+            "phases_fresh_median": {k: round(_median([p[k] for p in phases_fresh]), 4)
+                                    for k in phases_fresh[0]},
+            "phases_warm_median": {k: round(_median([p[k] for p in phases_warm]), 4)
+                                   for k in phases_warm[0]},
+        }
+        return out
+    finally:
+        _stop(proc)
+
+
+def host_main(args: argparse.Namespace) -> None:
+    import torch
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mxl-host-") as tmp:
+        for name in args.cases.split(","):
+            if name not in HOST_CASES:
+                raise SystemExit(f"unknown case {name!r}; allowed: {', '.join(HOST_CASES)}")
+            r = host_case(name, args.rounds, tmp)
+            m, g = r["median_s"], r["gbps"]
+            print(f"{name}: {r['bytes'] / 1e6:.1f} MB {r['tensors']} tensors, {r['rounds']} rounds, "
+                  f"{r['copy_threads']} copy threads | memcpy warm {g['memcpy_warm']} GB/s, "
+                  f"into fresh pages {g['memcpy_fresh']} GB/s | pull (verified) into fresh "
+                  f"{m['pull_fresh']} s, into touched {m['pull_warm']} s | warm page-cache load "
+                  f"{m['disk_warm']} s | ratios: pull touched / memcpy warm "
+                  f"{r['pull_warm_vs_memcpy_warm']}, pull fresh / memcpy fresh "
+                  f"{r['pull_fresh_vs_memcpy_fresh']}, pull fresh / memcpy warm "
+                  f"{r['pull_fresh_vs_memcpy_warm']}, pull fresh / disk warm "
+                  f"{r['pull_fresh_vs_disk_warm']} | strategies / memcpy warm "
+                  f"{r['strategies_vs_memcpy_warm']} | best-round ratios {r['best_ratios']} | "
+                  f"phases fresh {r['phases_fresh_median']}",
+                  flush=True)
+            results.append(r)
+    print(json.dumps({"bench": "local", "mode": "host", "cpus": os.cpu_count(),
+                      "torch_threads": torch.get_num_threads(), "results": results}))
+
+
+# -- --gpu-first: first vs later verified pull in fresh processes --------------------------
+def gpu_target(args: argparse.Namespace) -> None:
+    """One fresh target process of --gpu-first: three verified pulls, one JSON line."""
+    t_start = time.perf_counter()
+    import torch
+
+    from modelexpress.local import LocalEndpoint, pull
+    from modelexpress.transfer import digest
+    from modelexpress.transfer.manifest import Manifest
+    info = json.load(open(args.info))
+    endpoint = LocalEndpoint.from_json(info["endpoint"])
+    manifest = Manifest.from_json(info["manifest"])
+    torch.cuda.set_device(0)
+    dest = _allocate(_shapes(args.layers), "cuda:0")
+    torch.cuda.synchronize()
+    pulls = []
+    for i in range(3):
+        state = digest.kernel_state("cuda:0")
+        t0 = time.perf_counter()
+        if args.gpu_target == "inline" and i == 0:
+            # Before issue #24: the first verification waited for the kernel.
+            r = pull(endpoint, manifest, dest, verify=False)
+            tv = time.perf_counter()
+            got = digest.digest_many(list(dest.values()), digest.WSUM, impl="triton")
+            verify_s = time.perf_counter() - tv
+            want = {t.name: t.digest for t in manifest.tensors}
+            assert got == [want[k] for k in dest], "digests differ"
+            seconds = time.perf_counter() - t0
+        else:
+            r = pull(endpoint, manifest, dest, verify=True)
+            seconds = time.perf_counter() - t0
+            verify_s = r.phases["verify"]
+        pulls.append({"seconds": round(seconds, 4), "copy_s": round(r.phases["copy"], 4),
+                      "verify_s": round(verify_s, 4), "kernel_at_start": state,
+                      "kernel_at_end": digest.kernel_state("cuda:0")})
+    build = digest._builds.get("cuda:0")  # bench-only peek: how long the build took
+    print(json.dumps({"mode": args.gpu_target, "bytes": manifest.total_bytes,
+                      "tensors": len(manifest.tensors), "pulls": pulls,
+                      "build_s": round(build.seconds, 3) if build else None,
+                      "process_s": round(time.perf_counter() - t_start, 3)}), flush=True)
+
+
+def gpu_first_main(args: argparse.Namespace) -> None:
+    import torch
+    out: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="mxl-gpu1-") as tmp:
+        info_path = os.path.join(tmp, "info.json")
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", "--info", info_path,
+                                 "--layers", str(args.layers), "--arena", "off",
+                                 "--device", "cuda:0", "--ipc-dir", os.path.join(tmp, "ipc")],
+                                stdin=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 300
+            while not os.path.exists(info_path):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"source failed (exit {proc.poll()})")
+                time.sleep(0.1)
+            warm_cache = os.path.join(tmp, "triton-warm")
+            for trial in range(args.trials):
+                for mode in ("auto", "inline"):
+                    for cache in ("empty", "warm"):
+                        env = dict(os.environ, TRITON_CACHE_DIR=(
+                            os.path.join(tmp, f"triton-empty-{trial}-{mode}")
+                            if cache == "empty" else warm_cache))
+                        if cache == "warm" and not os.path.isdir(warm_cache):
+                            _gpu_target_run(args, info_path, env, "auto")  # fills it
+                        r = _gpu_target_run(args, info_path, env, mode)
+                        first, later = r["pulls"][0], r["pulls"][1:]
+                        later_s = _median([p["seconds"] for p in later])
+                        r.update(trial=trial, cache=cache,
+                                 first_over_later=round(first["seconds"] / later_s, 2),
+                                 first_verify_within=first["verify_s"] <= max(
+                                     2 * first["copy_s"], 0.05))
+                        print(f"mode={mode} triton cache={cache} trial {trial}: "
+                              f"{r['bytes'] / 1e9:.2f} GB {r['tensors']} tensors | pulls "
+                              + ", ".join(f"{p['seconds']} s (copy {p['copy_s']}, verify "
+                                          f"{p['verify_s']}, kernel {p['kernel_at_start']}->"
+                                          f"{p['kernel_at_end']})" for p in r["pulls"])
+                              + f" | first/later {r['first_over_later']} | first verify within "
+                              f"max(2x copy, 50 ms): {r['first_verify_within']} | build "
+                              f"{r['build_s']} s", flush=True)
+                        out.append(r)
+        finally:
+            _stop(proc)
+    print(json.dumps({"bench": "local", "mode": "gpu-first", "layers": args.layers,
+                      "gpu": torch.cuda.get_device_name(0), "results": out}))
+
+
+def _gpu_target_run(args: argparse.Namespace, info_path: str, env: dict[str, str],
+                    mode: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, __file__, "--gpu-target", mode, "--info", info_path,
+                           "--layers", str(args.layers)], env=env, stdout=subprocess.PIPE,
+                          text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"target ({mode}) exited {proc.returncode}")
+    return json.loads(lines[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=80)
+    p.add_argument("--layers", type=int, default=None, help="70B TP=8 layers (default 80; "
+                   "--gpu-first: 28, about 6.5 GB)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--arena", default="off,on")
     p.add_argument("--dst", default="", help="destination devices (default cuda:0 and cuda:1 if present)")
+    p.add_argument("--host", action="store_true", help="CPU: host pulls vs memcpy vs disk")
+    p.add_argument("--cases", default="1gib,70mb", help="--host: checkpoints to pull")
+    p.add_argument("--rounds", type=int, default=5, help="--host: interleaved rounds")
+    p.add_argument("--gpu-first", action="store_true", help="GPU: first vs later pull")
+    p.add_argument("--trials", type=int, default=2, help="--gpu-first: targets per mode/cache")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve-host", default="", help=argparse.SUPPRESS)
+    p.add_argument("--gpu-target", default="", help=argparse.SUPPRESS)
     p.add_argument("--info", default="", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda:0", help=argparse.SUPPRESS)
     p.add_argument("--ipc-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.serve_host:
+        serve_host(args)
+        return
+    if args.gpu_target:
+        gpu_target(args)
+        return
+    if args.host:
+        host_main(args)
+        return
+    if args.gpu_first:
+        args.layers = args.layers or 28
+        gpu_first_main(args)
+        return
+    args.layers = args.layers or 80
     if args.serve:
         serve(args)
         return

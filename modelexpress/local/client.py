@@ -517,7 +517,8 @@ class _Runner:
             if self.copier is None:
                 from modelexpress.local.hostcopy import HostCopier
                 self.copier = HostCopier(self.session.host_map)
-            self.copier.copy(host)
+            in_pass = self.digests if self.digests is not None and self.digests.hot else None
+            self.copier.copy(host, in_pass)
             host_bytes = sum(h[3] for h in host)
         for c in (c for c in chunk if not c.host):
             from modelexpress.local.cuda import memcpy_async
@@ -547,14 +548,15 @@ def _run(session: LocalSession, chunks: Sequence[Sequence[_Copy]], total: int,
 def _digests_alongside(manifest: "Manifest", pairs: Sequence[Any],
                        tensors: Mapping[str, "torch.Tensor"], chunks: Sequence[Sequence[_Copy]],
                        peer: str, verify: bool) -> Any:
-    """A ``hostcopy.DigestsAlongside`` when every copy is host to host (the digests then
-    run on the CPU beside the copy threads); None otherwise (digests after the copy)."""
+    """When every copy is host to host, the CPU digests run with the copy
+    (``hostcopy.digests_for``: in the copy's own pass, or beside it); None otherwise
+    (digests after the copy)."""
     if not verify or manifest.digest_algorithm is None or not all(
             c.host for chunk in chunks for c in chunk):
         return None
-    from modelexpress.local.hostcopy import DigestsAlongside, digest_items
+    from modelexpress.local.hostcopy import digests_for
     order = sorted(pairs, key=lambda p: p.remote.addr)  # _plan's order: bytes land in it
-    return DigestsAlongside(manifest.digest_algorithm, digest_items(order, tensors), peer)
+    return digests_for(manifest.digest_algorithm, order, tensors, peer)
 
 
 def _verify(manifest: "Manifest", pairs: Sequence[Any], tensors: Mapping[str, "torch.Tensor"],

@@ -1,11 +1,20 @@
-"""Host-to-host copies of the local transport: parallel reads, digests alongside.
+"""Host-to-host copies of the local transport: parallel reads, digests in the same pass.
 
 A pull whose source and destination are both host memory is a copy from the
 source's memfds into the destination tensors. :class:`HostCopier` runs each chunk of
 the plan on a few threads (``pread`` releases the GIL; see
 :meth:`~modelexpress.local.memory.HostMapping.read_into` for why not a copy from the
-mapping), and :class:`DigestsAlongside` checks each tensor's digest as soon as its last
-byte has landed, on its own threads, while the next chunks are copied::
+mapping). Digests are checked one of two ways:
+
+* :class:`DigestsInPass` (xxh3, blake2b: hashes that stream): each tensor's part of a
+  chunk goes to one thread, which reads it in pieces of :data:`_HOT_PIECE_BYTES` and
+  feeds each piece to the tensor's hasher while it is still in the CPU's cache. A
+  second pass over the landed bytes read them back from memory and cost the pull
+  about a third of a copy more on the CI machine (docs/benchmarks.md, "Local
+  transport on host memory").
+* :class:`DigestsAlongside` (the others, e.g. ``wsum-i32-v1`` of a GPU source): each
+  tensor's digest as soon as its last byte has landed, on its own threads, while the
+  next chunks are copied::
 
     chunk k:   [ copy: pieces over N threads ] ─> landed(done) ─> digest jobs of the
     chunk k+1:                                   [ copy ... ]     tensors now complete
@@ -13,12 +22,16 @@ byte has landed, on its own threads, while the next chunks are copied::
 
 Chunks are the plan's (in source-address order, so the bytes done after a chunk are
 a prefix of the tensors in that order); stop, deadline and liveness are still checked
-between chunks by the caller.
+between chunks by the caller. A chunk's threads all finish before the next chunk
+starts, so a tensor spanning chunks is fed to its hasher in order.
 """
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
+import ctypes
+import errno
 import logging
 import os
 import threading
@@ -32,7 +45,8 @@ if TYPE_CHECKING:
 
     from modelexpress.local.memory import HostMapping
 
-__all__ = ["DigestsAlongside", "HostCopier", "copy_threads", "digest_items"]
+__all__ = ["DigestsAlongside", "DigestsInPass", "HostCopier", "copy_threads",
+           "digest_items", "digests_for"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +56,32 @@ _PIECE_BYTES = 8 << 20
 _MAX_THREADS = 8
 # Below this a chunk is copied on the calling thread: handing it out costs more.
 _INLINE_BYTES = 1 << 20
+# Read-then-hash step of DigestsInPass: small enough to stay in a core's L2 cache.
+_HOT_PIECE_BYTES = 1 << 20
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.restype = ctypes.c_int
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_prefault_ok = True  # cleared where the kernel does not know MADV_POPULATE_WRITE
+
+
+def _prefault(addr: int, nbytes: int) -> None:
+    """Fault in the destination pages of ``[addr, +nbytes)`` writable before a read
+    lands there. New memory (a fresh allocation) has no pages yet; faulting them in
+    from ``pread``'s copy cost clearly more than this populate did (bench/local.py
+    --host, "fresh"), and it changes no byte. Best effort: an error only means the
+    read faults them in itself."""
+    global _prefault_ok
+    if not _prefault_ok or nbytes <= 0:
+        return
+    start = addr & ~(_PAGE - 1)
+    if _madvise(start, (addr + nbytes - start + _PAGE - 1) & ~(_PAGE - 1),
+                _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
+        _prefault_ok = False
 
 
 def copy_threads() -> int:
@@ -86,30 +126,45 @@ class HostCopier:
                     lane += 1
         return [lane for lane in lanes if lane]
 
-    def copy(self, copies: Sequence[tuple[int, int, int, int]]) -> None:
-        """Copy every run; returns once all landed.
+    def copy(self, copies: Sequence[tuple[int, int, int, int]],
+             in_pass: "DigestsInPass | None" = None) -> None:
+        """Copy every run (hashing each tensor's bytes as they land when ``in_pass``);
+        returns once all landed.
 
         Raises:
             BackendError: a read failed (after every other piece has finished: nothing
                 still writes into the destination when this returns or raises).
         """
         total = sum(c[3] for c in copies)
-        if self.threads == 1 or total < _INLINE_BYTES:
-            self._lane(copies)
-            return
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.threads, thread_name_prefix="mx-local-copy")
-        futures = [self._pool.submit(self._lane, lane) for lane in self._deal(copies)]
-        # ORDER: wait for every piece before raising, so a failed piece never leaves
-        # another one writing into memory the caller is about to reuse or free.
-        concurrent.futures.wait(futures)
-        for f in futures:
-            f.result()
+        post: list[Any] = []
+        if in_pass is not None:
+            lanes, post = in_pass.lanes(copies, 1 if total < _INLINE_BYTES else self.threads)
+            work: Any = in_pass.run_lane
+        else:
+            lanes = [copies] if self.threads == 1 or total < _INLINE_BYTES else self._deal(copies)
+            work = self._lane
+        if len(lanes) <= 1:
+            for lane in lanes:
+                work(self.mapping, lane)
+        else:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.threads, thread_name_prefix="mx-local-copy")
+            futures = [self._pool.submit(work, self.mapping, lane) for lane in lanes]
+            # ORDER: wait for every piece before raising, so a failed piece never leaves
+            # another one writing into memory the caller is about to reuse or free.
+            concurrent.futures.wait(futures)
+            for f in futures:
+                f.result()
+        if post:
+            assert in_pass is not None
+            in_pass.feed(post)
 
-    def _lane(self, copies: Sequence[tuple[int, int, int, int]]) -> None:
-        read = self.mapping.read_into
+    @staticmethod
+    def _lane(mapping: "HostMapping", copies: Sequence[tuple[int, int, int, int]]) -> None:
+        read = mapping.read_into
         for seg, off, dst, n in copies:
+            _prefault(dst, n)
             read(seg, off, dst, n)
 
     def close(self) -> None:
@@ -117,6 +172,162 @@ class HostCopier:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+class _Stream:
+    """One destination tensor's hasher and how many of its bytes it was fed."""
+
+    __slots__ = ("name", "base", "nbytes", "want", "h", "view", "fed")
+
+    def __init__(self, name: str, tensor: "torch.Tensor", want: str, h: Any) -> None:
+        import torch
+        self.name, self.want, self.h = name, want, h
+        self.base = tensor.data_ptr()
+        self.nbytes = tensor.numel() * tensor.element_size()
+        raw = tensor.reshape(-1).view(torch.uint8) if self.nbytes else None
+        self.view = memoryview(raw.numpy()) if raw is not None else memoryview(b"")
+        self.fed = 0
+
+
+class DigestsInPass:
+    """Per-tensor streaming hashers that the copy threads feed while copying.
+
+    Args:
+        algorithm: the manifest's digest algorithm (it must have a
+            :func:`~modelexpress.transfer.digest.hasher`).
+        order: matched pairs in copy order (``_plan``'s: by source address).
+        tensors: the destinations.
+        peer: names the source in errors.
+    """
+
+    hot = True
+
+    def __init__(self, algorithm: str, order: Sequence[Any],
+                 tensors: Mapping[str, "torch.Tensor"], peer: str) -> None:
+        from modelexpress.transfer.digest import hasher
+        self.algorithm, self.peer = algorithm, peer
+        self._streams = [_Stream(p.name, tensors[p.name], p.remote.digest, hasher(algorithm))
+                         for p in order if p.remote.digest is not None]
+        # Destination ranges, sorted, to find the tensor a copied byte lands in.
+        ranges = sorted((st.base, st.base + st.nbytes, i) for i, st in enumerate(self._streams)
+                        if st.nbytes)
+        self._bases = [r[0] for r in ranges]
+        self._ranges = ranges
+
+    def lanes(self, copies: Sequence[tuple[int, int, int, int]], threads: int
+              ) -> tuple[list[list[Any]], list[tuple[_Stream, int, int]]]:
+        """The chunk's runs cut at tensor boundaries, each tensor's part given whole to
+        one lane (largest first, to the least loaded lane); and the parts to hash after
+        the copy (:meth:`feed`)."""
+        parts: list[tuple[int, int, int, int, _Stream | None]] = []
+        for seg, off, dst, n in copies:
+            pos = 0
+            while pos < n:
+                stream, until = self._stream_at(dst + pos)
+                take = min(n - pos, until - (dst + pos))
+                parts.append((seg, off + pos, dst + pos, take, stream))
+                pos += take
+        units: dict[int, list[Any]] = {}  # a tensor's parts stay on one lane
+        for part in parts:
+            units.setdefault(id(part[4]) if part[4] is not None else -len(units) - 1,
+                             []).append(part)
+        ordered = sorted(units.values(), key=lambda u: -sum(p[3] for p in u))
+        total = sum(p[3] for p in parts)
+        threads = max(1, threads)
+        post: list[tuple[_Stream, int, int]] = []
+        if threads > 1 and ordered and sum(p[3] for p in ordered[0]) > 1.25 * total / threads:
+            # One tensor outweighs a lane's share: on one lane it would copy at one
+            # thread's speed. Its bytes are copied on every lane instead and hashed after
+            # the chunk, in order, on the calling thread (from memory: slower per byte
+            # than in the pass, faster than a copy at half speed).
+            big = ordered.pop(0)
+            post = [(p[4], p[2], p[3]) for p in big if p[4] is not None]
+            for seg, off, dst, n, _ in big:
+                step = -(-n // threads)
+                ordered.extend([[(seg, off + a, dst + a, min(step, n - a), None)]
+                                for a in range(0, n, step)])
+        lanes: list[list[Any]] = [[] for _ in range(threads)]
+        load = [0] * len(lanes)
+        for unit in ordered:
+            k = load.index(min(load))
+            lanes[k].extend(unit)
+            load[k] += sum(p[3] for p in unit)
+        for lane in lanes:
+            lane.sort(key=lambda p: p[2])  # ORDER: a tensor's bytes reach its hasher in order
+        return [lane for lane in lanes if lane], post
+
+    @staticmethod
+    def feed(post: Sequence[tuple[_Stream, int, int]]) -> None:
+        """Hash parts copied without hashing (see :meth:`lanes`), in order."""
+        for stream, dst, n in post:
+            at = dst - stream.base
+            assert at == stream.fed, "a tensor's bytes were hashed out of order"
+            stream.h.update(stream.view[at:at + n])
+            stream.fed += n
+
+    def _stream_at(self, addr: int) -> tuple[_Stream | None, int]:
+        """The stream whose tensor holds ``addr`` (None: bytes of no digested tensor) and
+        where that stops (its tensor's end, or the next digested tensor's start)."""
+        k = bisect.bisect_right(self._bases, addr) - 1
+        if k >= 0 and addr < self._ranges[k][1]:
+            return self._streams[self._ranges[k][2]], self._ranges[k][1]
+        nxt = self._bases[k + 1] if k + 1 < len(self._bases) else 1 << 64
+        return None, nxt
+
+    @staticmethod
+    def run_lane(mapping: "HostMapping", parts: Sequence[Any]) -> None:
+        read = mapping.read_into
+        for seg, off, dst, n, stream in parts:
+            pos = 0
+            while pos < n:
+                take = min(_HOT_PIECE_BYTES, n - pos)
+                _prefault(dst + pos, take)
+                read(seg, off + pos, dst + pos, take)
+                if stream is not None:
+                    at = dst + pos - stream.base
+                    assert at == stream.fed, "a tensor's bytes were hashed out of order"
+                    stream.h.update(stream.view[at:at + take])
+                    stream.fed += take
+                pos += take
+
+    def landed(self, done: int) -> None:
+        """(Interface of :class:`DigestsAlongside`; nothing to do here.)"""
+
+    def finish(self) -> int:
+        """Compare every tensor's digest.
+
+        Returns:
+            The number of tensors verified.
+
+        Raises:
+            IntegrityError: a digest did not match, or a tensor was not fully fed.
+        """
+        from modelexpress.transfer.digest import stream_digest
+        bad = [(s.name, s.want, stream_digest(s.h, s.fed) if s.fed == s.nbytes else
+                f"(only {s.fed} of {s.nbytes} bytes hashed)") for s in self._streams]
+        bad = [b for b in bad if b[1] != b[2]]
+        if bad:
+            raise _mismatch(bad, self.algorithm, self.peer)
+        return len(self._streams)
+
+    def close(self) -> None:
+        """(Nothing to release.)"""
+
+
+def _mismatch(bad: Sequence[tuple[str, str, str]], algorithm: str, peer: str) -> IntegrityError:
+    name, want, have = bad[0]
+    return IntegrityError(f"{len(bad)} tensor(s) from {peer} failed its {algorithm} digest "
+                          f"check, e.g. {name!r}: expected {want}, got {have}; the source's "
+                          "memory changed or a copy failed: try another source")
+
+
+def digests_for(algorithm: str, order: Sequence[Any], tensors: Mapping[str, "torch.Tensor"],
+                peer: str) -> "DigestsInPass | DigestsAlongside":
+    """:class:`DigestsInPass` where ``algorithm`` streams, else :class:`DigestsAlongside`."""
+    from modelexpress.transfer.digest import hasher
+    if hasher(algorithm) is not None:
+        return DigestsInPass(algorithm, order, tensors, peer)
+    return DigestsAlongside(algorithm, digest_items(order, tensors), peer)
 
 
 class DigestsAlongside:
@@ -130,6 +341,8 @@ class DigestsAlongside:
         threads: digest threads (default :func:`copy_threads`; xxh3 and blake2b release
             the GIL).
     """
+
+    hot = False
 
     def __init__(self, algorithm: str, items: Sequence[tuple[int, str, "torch.Tensor", str]],
                  peer: str, threads: int | None = None) -> None:
@@ -169,11 +382,7 @@ class DigestsAlongside:
             self.close()
         bad = [(name, want, got) for name, want, got in results if got != want]
         if bad:
-            name, want, have = bad[0]
-            raise IntegrityError(f"{len(bad)} tensor(s) from {self.peer} failed its "
-                                 f"{self.algorithm} digest check, e.g. {name!r}: expected "
-                                 f"{want}, got {have}; the source's memory changed or a copy "
-                                 "failed: try another source")
+            raise _mismatch(bad, self.algorithm, self.peer)
         return len(results)
 
     def close(self) -> None:

@@ -59,7 +59,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ALGORITHMS", "BLAKE2B", "WSUM", "XXH3", "default_algorithm", "digest",
-           "digest_many", "can_compute", "kernel_state", "prepare", "wait_for_builds",
+           "digest_many", "can_compute", "hasher", "kernel_state", "prepare",
+           "stream_digest", "wait_for_builds",
            "warm_up", "warm_up_for"]
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,24 @@ def _xxh3(tensor: torch.Tensor) -> str:
     if raw.numel():
         h.update(memoryview(raw.numpy()))
     return f"{h.hexdigest()}:{raw.numel()}"
+
+
+def hasher(algorithm: str):  # noqa: ANN201 - an xxhash / hashlib object, or None
+    """A streaming hasher of ``algorithm`` (``update(buffer)``, ``hexdigest()``), or None
+    where it has no streaming form here (``wsum-i32-v1``; xxh3 without xxhash). Its
+    digest is :func:`stream_digest`'s, equal to :func:`digest` of the same bytes: a
+    copy can hash each piece while it is still in cache."""
+    if algorithm == XXH3 and _xxhash_available():
+        import xxhash
+        return xxhash.xxh3_128()
+    if algorithm == BLAKE2B:
+        return hashlib.blake2b(digest_size=16)
+    return None
+
+
+def stream_digest(h, nbytes: int) -> str:  # noqa: ANN001 - a hasher()
+    """The ``"<hex>:<nbytes>"`` digest of a :func:`hasher` fed ``nbytes`` bytes."""
+    return f"{h.hexdigest()}:{nbytes}"
 
 
 def _wsum_words(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Source and target processes of the local-transport tests (run as scripts).
 
-source: ``python _peers.py source OUT.json --layout buffer|arena|buffers --seed S --mib N``
+source: ``python _peers.py source OUT.json --layout buffer|arena|buffers --seed S --mib N
+    [--digest ALGO]``
     builds seeded tensors in shareable host memory, starts a LocalSource, writes
     {"endpoint", "manifest", "pid"} to OUT.json (atomically), then serves until stdin
     closes or it is killed.
@@ -80,7 +81,8 @@ def run_source(args: argparse.Namespace) -> None:
     src.add_tensors(shared)  # CUDA tensors become segments; others are covered already
     from modelexpress.local import publish_attributes
     manifest = build_manifest(shared, agent_name=f"src-{os.getpid()}",
-                              attributes=publish_attributes(src))
+                              attributes=publish_attributes(src),
+                              digest_algorithm=args.digest or None)
     src.start()
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
@@ -164,6 +166,7 @@ def main() -> None:
     p.add_argument("--kill-source", type=int, default=0, help="SIGKILL this pid after chunk 1")
     p.add_argument("--chunk-bytes", type=int, default=1 << 30)
     p.add_argument("--dst-arena", action="store_true", help="destination in a VMM arena")
+    p.add_argument("--digest", default="", help="source's digest algorithm (default: its default)")
     args = p.parse_args()
     if args.role == "source":
         args.out = args.path

@@ -19,13 +19,15 @@ ROOT = PEERS.parents[2]
 class SourceProc:
     """A LocalSource in its own process (tests/local/_peers.py source)."""
 
-    def __init__(self, tmp: pathlib.Path, layout: str, mib: int, seed: int) -> None:
+    def __init__(self, tmp: pathlib.Path, layout: str, mib: int, seed: int,
+                 digest_algorithm: str = "") -> None:
         self.info_path = tmp / f"source-{layout}-{seed}.json"
         self.ipc_dir = str(tmp / "ipc")
         self.seed, self.mib = seed, mib
+        extra = ["--digest", digest_algorithm] if digest_algorithm else []
         self.proc = subprocess.Popen(
             [sys.executable, str(PEERS), "source", str(self.info_path), "--layout", layout,
-             "--seed", str(seed), "--mib", str(mib), "--ipc-dir", self.ipc_dir],
+             "--seed", str(seed), "--mib", str(mib), "--ipc-dir", self.ipc_dir, *extra],
             stdin=subprocess.PIPE, cwd=ROOT)
         deadline = time.monotonic() + 60
         while not self.info_path.exists():
@@ -74,8 +76,8 @@ def seed() -> int:
 def make_source(tmp_path: pathlib.Path, seed: int):  # type: ignore[no-untyped-def]
     made: list[SourceProc] = []
 
-    def make(layout: str = "buffer", mib: int = 16) -> SourceProc:
-        s = SourceProc(tmp_path, layout, mib, seed + len(made))
+    def make(layout: str = "buffer", mib: int = 16, digest_algorithm: str = "") -> SourceProc:
+        s = SourceProc(tmp_path, layout, mib, seed + len(made), digest_algorithm)
         made.append(s)
         return s
 

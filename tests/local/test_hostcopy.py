@@ -1,0 +1,164 @@
+"""Host-to-host copies of the local transport (``local.hostcopy``): parallel reads from a
+memfd, digests hashed in the copy's own pass, and the pull with each digest algorithm."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from modelexpress.errors import IntegrityError
+from modelexpress.local import HostBuffer, HostMapping, LocalEndpoint, pull
+from modelexpress.local.hostcopy import DigestsAlongside, DigestsInPass, HostCopier, digests_for
+from modelexpress.local.protocol import Segment
+from modelexpress.transfer import digest
+from modelexpress.transfer.manifest import Manifest
+
+from ._peers import make_tensors
+
+
+def _source(sizes: list[int], seed: int) -> tuple[HostBuffer, list[tuple[int, int]]]:
+    """A memfd buffer holding seeded bytes; (offset, size) of each 'tensor' in it."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(sizes)
+    buf = HostBuffer(total)
+    view = buf.tensor(0, (total,), torch.uint8)
+    view.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, generator=g))
+    spans, off = [], 0
+    for n in sizes:
+        spans.append((off, n))
+        off += n
+    return buf, spans
+
+
+def _pairs(buf: HostBuffer, spans, algo: str, digested=lambda i: True):  # type: ignore[no-untyped-def]
+    src = buf.tensor(0, (buf.nbytes,), torch.uint8)
+    return [types.SimpleNamespace(name=f"t{i}", remote=types.SimpleNamespace(
+        addr=buf.addr + off, nbytes=n,
+        digest=digest.digest(src[off:off + n], algo) if digested(i) else None))
+        for i, (off, n) in enumerate(spans)]
+
+
+def _copies(mapping: HostMapping, pairs, dst, chunk: int):  # type: ignore[no-untyped-def]
+    """The pull's host copies: one run per tensor, cut into chunks of ``chunk`` bytes."""
+    runs = []
+    for p in pairs:
+        seg, off = mapping.locate(p.remote.addr, p.remote.nbytes)
+        runs.append((seg, off, dst[p.name].data_ptr(), p.remote.nbytes))
+    chunks: list[list[tuple[int, int, int, int]]] = [[]]
+    filled = 0
+    for seg, off, d, n in runs:
+        pos = 0
+        while pos < n:
+            if filled >= chunk:
+                chunks.append([])
+                filled = 0
+            take = min(n - pos, chunk - filled)
+            chunks[-1].append((seg, off + pos, d + pos, take))
+            pos += take
+            filled += take
+    return chunks
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("algo", [digest.XXH3, digest.BLAKE2B])
+def test_digests_in_the_copy_pass_equal_the_digests_of_the_landed_bytes(seed, threads, algo):
+    """Tensors split across chunks, one tensor outweighing the others (it is copied on
+    every lane and hashed after its chunk), tiny and empty tensors, a tensor without a
+    digest: every byte lands and every digest is checked."""
+    sizes = [3 << 20, 5, 0, 9 << 20, 4097, 1 << 20, 77, 6 << 20]
+    buf, spans = _source(sizes, seed)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    try:
+        pairs = _pairs(buf, spans, algo, digested=lambda i: i != 5)
+        dst = {p.name: torch.full((p.remote.nbytes,), 7, dtype=torch.uint8) for p in pairs}
+        check = digests_for(algo, pairs, dst, "test peer")
+        assert isinstance(check, DigestsInPass)
+        copier = HostCopier(mapping, threads=threads)
+        for chunk in _copies(mapping, pairs, dst, chunk=4 << 20):
+            copier.copy(chunk, check)
+        copier.close()
+        assert check.finish() == len(pairs) - 1
+        src = buf.tensor(0, (buf.nbytes,), torch.uint8)
+        for p, (off, n) in zip(pairs, spans):
+            assert torch.equal(dst[p.name], src[off:off + n]), p.name
+    finally:
+        mapping.close()
+        buf.close()
+
+
+def test_a_wrong_digest_is_named_after_a_copy_with_digests_in_the_pass(seed):
+    buf, spans = _source([2 << 20, 3 << 20], seed)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    try:
+        pairs = _pairs(buf, spans, digest.XXH3)
+        pairs[1].remote.digest = "0" * 32 + f":{3 << 20}"
+        dst = {p.name: torch.empty(p.remote.nbytes, dtype=torch.uint8) for p in pairs}
+        check = digests_for(digest.XXH3, pairs, dst, "test peer")
+        copier = HostCopier(mapping, threads=2)
+        for chunk in _copies(mapping, pairs, dst, chunk=1 << 30):
+            copier.copy(chunk, check)
+        copier.close()
+        with pytest.raises(IntegrityError, match="1 tensor.*test peer.*'t1'"):
+            check.finish()
+    finally:
+        mapping.close()
+        buf.close()
+
+
+def test_wsum_digests_of_a_host_copy_run_alongside_it(seed):
+    """wsum-i32-v1 (a GPU source's digests) has no streaming form: each tensor is
+    digested once it has landed, on the digest threads."""
+    buf, spans = _source([1 << 20, 4099, 2 << 20], seed)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    try:
+        pairs = _pairs(buf, spans, digest.WSUM)
+        dst = {p.name: torch.empty(p.remote.nbytes, dtype=torch.uint8) for p in pairs}
+        check = digests_for(digest.WSUM, pairs, dst, "test peer")
+        assert isinstance(check, DigestsAlongside)
+        copier = HostCopier(mapping, threads=2)
+        done = 0
+        for chunk in _copies(mapping, pairs, dst, chunk=1 << 20):
+            copier.copy(chunk)
+            done += sum(c[3] for c in chunk)
+            check.landed(done)
+        copier.close()
+        assert check.finish() == len(pairs)
+    finally:
+        mapping.close()
+        buf.close()
+
+
+def test_read_into_refuses_a_range_outside_its_segment_and_after_close():
+    from modelexpress.errors import ConfigError
+    buf = HostBuffer(4096)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    out = torch.empty(8192, dtype=torch.uint8)
+    with pytest.raises(ConfigError, match="outside a shared segment of 4096 bytes"):
+        mapping.read_into(0, 4000, out.data_ptr(), 100)
+    mapping.close()
+    with pytest.raises(ConfigError, match="after close"):
+        mapping.read_into(0, 0, out.data_ptr(), 10)
+    buf.close()
+
+
+@pytest.mark.parametrize("algo", [digest.BLAKE2B, digest.WSUM])
+def test_a_pull_verifies_each_digest_algorithm_a_source_may_publish(make_source, algo):
+    """Over the socket from a source process: blake2b (hashed in the pass) and wsum
+    (alongside) as well as the default xxh3 (the other tests)."""
+    src = make_source(mib=8, digest_algorithm=algo)
+    endpoint = LocalEndpoint.from_json(src.info["endpoint"])
+    manifest = Manifest.from_json(src.info["manifest"])
+    assert manifest.digest_algorithm == algo
+    dst = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in manifest.tensors}
+    res = pull(endpoint, manifest, dst, chunk_bytes=3 << 20)
+    assert res.verified == len(manifest.tensors)
+    want = make_tensors(src.seed, src.mib)
+    assert all(torch.equal(want[k].view(torch.uint8), dst[k].view(torch.uint8)) for k in want)
+    bad_name = manifest.tensors[-1].name
+    bad = Manifest.from_json(manifest.to_json().replace(
+        manifest.tensors[-1].digest, "0" * 32 + f":{manifest.tensors[-1].nbytes}"))
+    with pytest.raises(IntegrityError, match=bad_name.replace(".", r"\.")):
+        pull(endpoint, bad, dst)

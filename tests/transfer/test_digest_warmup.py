@@ -1,0 +1,83 @@
+"""The GPU digest kernel is built off the critical path (issue #24): a pull starts the
+build on a background thread and, until it is ready, digests use the torch form.
+
+No GPU on CI: the build's state machine runs in a fresh process under Triton's
+interpreter (the kernel on CPU tensors, as test_wsum_oracle does); the CPU paths run
+here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from modelexpress.transfer import digest
+
+_BUILD = r"""
+import json, threading
+import torch
+from modelexpress.transfer import digest
+dev = torch.device("cpu")  # the interpreter runs the kernel on CPU tensors
+raws = [torch.arange(n, dtype=torch.int64).to(torch.uint8) for n in (8192, 4099)]
+raws.append(torch.arange(8200, dtype=torch.int64).to(torch.uint8)[4:])  # not 16-aligned
+want = digest._torch_pairs(raws)
+out = {}
+# The build is held at its lock (as while it compiles): a digest does not wait for it.
+build = digest._KernelBuild(dev)
+build.lock.acquire()
+digest._builds[str(dev)] = build
+build.thread.start()
+out["while_building"] = digest._triton_batch(raws)
+out["state_while_building"] = digest.kernel_state(dev)
+digest.wait_for_builds(timeout_s=0.05)  # bounded: returns with the build still held
+build.lock.release()
+digest.wait_for_builds()
+out["state_after"] = digest.kernel_state(dev)
+out["variants"] = sorted(build.ready)
+out["kernel_equals_torch_form"] = digest._triton_batch(raws) == want
+out["threads_named"] = [t.name for t in threading.enumerate() if t.name.startswith("mx-digest")]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.triton
+def test_the_kernel_builds_in_the_background_and_digests_do_not_wait_for_it():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["while_building"] is None  # the torch form takes it
+    assert out["state_while_building"] == "warming"
+    assert out["state_after"] == "ready" and out["variants"] == [False, True]
+    assert out["kernel_equals_torch_form"] is True
+    assert out["threads_named"] == []  # the build's thread ended
+
+
+def test_cpu_pulls_start_no_build_and_digests_stay_on_the_cpu():
+    before = dict(digest._builds)
+    digest.warm_up(digest.WSUM, ["cpu", torch.device("cpu")])
+    digest.warm_up_for({"x": torch.zeros(4)}, "cpu")
+    digest.warm_up_for(None, "cpu")
+    digest.warm_up(digest.XXH3, ["cuda:0"])  # a CPU-only algorithm: nothing to build
+    digest.prepare(digest.WSUM, [torch.zeros(4)])
+    assert digest._builds == before
+    assert digest.kernel_state("cuda:0") in ("not started", "broken")
+    t = torch.arange(1000, dtype=torch.int32)
+    assert digest.digest_many([t], digest.WSUM) == [digest.digest(t, digest.WSUM)]
+    digest.wait_for_builds()  # nothing running: returns at once
+
+
+def test_a_streaming_hasher_gives_the_digest_of_the_whole_tensor():
+    t = torch.randint(0, 256, (1_000_003,), dtype=torch.uint8)
+    view = memoryview(t.numpy())
+    for algo in (digest.XXH3, digest.BLAKE2B):
+        h = digest.hasher(algo)
+        for start in range(0, t.numel(), 300_000):
+            h.update(view[start:start + 300_000])
+        assert digest.stream_digest(h, t.numel()) == digest.digest(t, algo)
+    assert digest.hasher(digest.WSUM) is None
