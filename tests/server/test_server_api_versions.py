@@ -313,3 +313,36 @@ def test_a_426_reaches_the_caller_as_the_servers_one_line() -> None:
         with pytest.raises(ControlPlaneError) as err:
             c.list_sources()
     assert str(err.value).endswith("upgrade the client") and "\n" not in str(err.value)
+
+
+def test_each_replica_gets_the_body_its_own_version_takes() -> None:
+    """Replicas of two releases behind one MX_SERVER_URL (mid-upgrade): the version-1
+    replica never sees ``devices``; after failing over, the version-2 one gets them."""
+    seen: dict[str, list] = {"old": [], "new": []}
+    old_down = False
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        which = "old" if request.url.host == "old.test" else "new"
+        if which == "old" and old_down:
+            raise httpx.ConnectError("refused", request=request)
+        headers = {} if which == "old" else {API_HEADER: str(API_VERSION)}
+        if request.url.path == "/v1/health":
+            return httpx.Response(200, headers=headers, json={"status": "ok", "store": "x"})
+        body = json.loads(request.content)
+        seen[which].append(body)
+        if which == "old" and "devices" in body:
+            return httpx.Response(422, json={"detail": "body.devices: Extra inputs are not "
+                                                       "permitted"})
+        return httpx.Response(200, headers=headers, json={
+            "id": "i:w", "identity_id": "0" * 32, "identity": {}, "worker_id": "w",
+            "endpoint": "", "state": "READY", "created_at": 0, "updated_at": 0,
+            "last_heartbeat": 0, "manifest_bytes": 2, "devices": body.get("devices", [])})
+
+    with MxClient(["http://old.test", "http://new.test"], retries=0,
+                  transport=httpx.MockTransport(handler)) as c:
+        assert c.publish_source(_identity("mixed"), "w", manifest={}, devices=[GPU]).devices == ()
+        old_down = True
+        assert c.publish_source(_identity("mixed"), "w", manifest={},
+                                devices=[GPU]).devices == (GPU,)
+    assert [("devices" in b) for b in seen["old"]] == [False]
+    assert [b.get("devices") for b in seen["new"]] == [[GPU]]
