@@ -212,6 +212,11 @@ class MxModelLoader(BaseModelLoader):
             # source registers its range as one NIXL region.
             report.vmm_arena = arena is not None
             model, loaded = self._load(vllm_config, model_config, prefix, device, report)
+        if arena is not None:
+            # The weights live in the arena's chunks: it lives as long as the model.
+            # Collected with this frame, it unmapped them under a serving engine
+            # (vLLM 0.26 on one H200: CUBLAS_STATUS_EXECUTION_FAILED in the first forward).
+            _arenas[model] = arena
         report.seconds = time.perf_counter() - start
         report.serving = self._maybe_serve(model, identity, report, loaded, arena)
         if not report.serving and self._nixl is not None:
@@ -560,6 +565,8 @@ def _vllm_config_context(vllm_config: VllmConfig) -> Iterator[None]:
 # finalizer runs when the model is collected, at interpreter exit (weakref.finalize's
 # atexit), or from stop_serving() before an in-place reload.
 _serving: "weakref.WeakKeyDictionary[nn.Module, weakref.finalize]" = weakref.WeakKeyDictionary()
+# model -> the VMM arena its weights live in (kept alive with the model)
+_arenas: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 _serving_lock = threading.Lock()
 
 
