@@ -18,11 +18,17 @@
 #   vllm-engine   the engine tests (tests/engines/test_vllm_gpu_engine.py; more pytest
 #                 arguments in VLLM_PYTEST_ARGS, e.g. -k compiled), logs to $OUT/engine
 #   vllm-pytest   any pytest path with the staged vLLM: VLLM_PYTEST="tests/... -k x"
-# Fresh machine, four calls back to back (prepare them all before the first):
-#   run(carry=[".vllm026/p0"], command="OUT=$OUT bash scripts/gpu_run.sh vllm-stage")
-#   run(carry=[".vllm026/p1"], command="OUT=$OUT bash scripts/gpu_run.sh vllm-stage")
-#   run(carry=[".vllm026/p2"], command="OUT=$OUT bash scripts/gpu_run.sh vllm-stage")
-#   run(command="OUT=$OUT bash scripts/gpu_run.sh vllm-stage vllm-engine")
+# Fresh machine, three calls back to back (prepare them all before the first; the
+# device sets $OUT):
+#   run(carry=[".vllm026/p0"], command="bash scripts/gpu_run.sh vllm-stage")
+#   run(carry=[".vllm026/p1"], command="bash scripts/gpu_run.sh vllm-stage")
+#   run(carry=[".vllm026/p2"], command="bash scripts/gpu_run.sh vllm-stage vllm-engine")
+# The last call checks the staging (vllm_check.log) and then runs; later calls on the
+# same warm machine carry nothing:
+#   run(command="VLLM_PYTEST_ARGS='-k compiled' bash scripts/gpu_run.sh vllm-engine")
+#   run(command="VLLM_PYTEST='tests/engines/test_x.py' bash scripts/gpu_run.sh vllm-pytest")
+# A call brings back a handful of files: vllm-engine/-pytest archive the engine logs
+# as $OUT/engine.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -151,12 +157,16 @@ PY
       fi
       for part in .vllm026/p*/; do
         [ -d "$part" ] || continue
+        # a part stays in the tree between calls of one machine: stage it once
         for f in "$part"*.tar.xz; do
           [ -e "$f" ] || continue
+          [ -f "$V/stamps/$(basename "$f")" ] && continue
           echo "unpacking $f"; tar -C "$V/site" -xJf "$f" || exit 1
           touch "$V/stamps/$(basename "$f")"
         done
-        if ls "$part"*.whl >/dev/null 2>&1; then
+        todo=0
+        for w in "$part"*.whl; do [ -e "$w" ] && [ ! -f "$V/stamps/$(basename "$w")" ] && todo=1; done
+        if [ $todo = 1 ]; then
           echo "installing $(ls "$part"*.whl | wc -l) wheels from $part"
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --disable-pip-version-check --upgrade --target "$V/site" "$part"*.whl \
@@ -169,7 +179,7 @@ PY
         python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
           >> "$OUT/vllm_install.log" 2>&1 || { tail -30 "$OUT/vllm_install.log"; exit 1; }
       fi
-      ls "$V/stamps"
+      echo "staged: $(ls "$V/stamps" | tr '\n' ' ')"
       if [ -f "$V/stamps/kernels.tar.xz" ] && [ -f "$V/stamps/python.tar.xz" ] &&
          [ -f "$V/stamps/fa3.tar.xz" ] && ls "$V/stamps"/nixl_cu13-*.whl >/dev/null 2>&1; then
         vllm_env
@@ -224,10 +234,12 @@ PY
         target=${VLLM_PYTEST:?set VLLM_PYTEST to the pytest arguments}; log=pytest_vllm
       fi
       mkdir -p "$OUT/engine"
-      # shellcheck disable=SC2086
+      eval "args=($target)"  # shell words: -k "not compiled" stays one argument
       MX_GPU_ENGINE_TESTS=1 MX_GPU_ENGINE_LOGS="$OUT/engine" timeout "${VLLM_PYTEST_TIMEOUT:-560}" \
-        python3 -m pytest -p no:cacheprovider -v -rA $target 2>&1 | tee "$OUT/$log.log" | tail -40
+        python3 -m pytest -p no:cacheprovider -v -rA "${args[@]}" 2>&1 | tee "$OUT/$log.log" | tail -40
       nvidia-smi --query-gpu=memory.used --format=csv >> "$OUT/$log.log" 2>&1
+      # a call brings back a few files only: the engine logs travel as one archive
+      tar -C "$OUT" -czf "$OUT/engine.tgz" engine && rm -rf "$OUT/engine"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

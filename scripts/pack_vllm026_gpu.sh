@@ -59,16 +59,17 @@ VLLM_WHEELS=(blake3 cachetools pydantic==2.12.5 pydantic-core==2.41.5 annotated-
   llguidance==1.7.3 lm-format-enforcer==0.11.3 interegular openai-harmony gguf
   prometheus-fastapi-instrumentator==8.0.0 watchfiles python-json-logger fastapi==0.136.0
   starlette==1.0.1 uvicorn opentelemetry-api opentelemetry-sdk
-  opentelemetry-semantic-conventions)
+  opentelemetry-semantic-conventions sniffio)  # sniffio: openai imports it; not there (2026-12-01)
 # modelexpress core + server extra (pyproject.toml) and the tests' psutil/pytest-timeout;
 # fastapi needs annotated-doc, opentelemetry-api importlib-metadata (GPU.md).
 MX_WHEELS=(pydantic-settings python-dotenv typer click rich shellingham markdown-it-py
   mdurl xxhash redis prometheus-client httptools annotated-doc psutil pytest-timeout
   importlib-metadata zipp)
 mkdir -p "$DL/wheels"
-if [ ! -f "$DL/wheels/.done" ]; then
+want=$(printf '%s\n' "${VLLM_WHEELS[@]}" "${MX_WHEELS[@]}" | sha256sum | cut -c1-16)
+if [ "$(cat "$DL/wheels/.done" 2>/dev/null)" != "$want" ]; then  # the list changed
   pip_dl -d "$DL/wheels" "${VLLM_WHEELS[@]}" "${MX_WHEELS[@]}"
-  touch "$DL/wheels/.done"
+  echo "$want" > "$DL/wheels/.done"
 fi
 
 ls "$DL"/nixl_cu13-1.5.1-*.whl >/dev/null 2>&1 || pip_dl -d "$DL" nixl-cu13==1.5.1

@@ -115,13 +115,14 @@ class LlmEngine:
         enforce_eager: False: vLLM's default compilation (and CUDA graphs).
         serve: stay alive after answering until :meth:`stop`.
         prompts, max_tokens: what to answer greedily.
+        kv_cache_memory_bytes: a fixed KV cache (vLLM skips its memory profiling).
     """
 
     def __init__(self, name: str, model: pathlib.Path, log_dir: pathlib.Path, *,
                  load_format: str, env: Mapping[str, str],
                  extra_config: Mapping[str, Any] | None = None, enforce_eager: bool = True,
                  serve: bool = False, prompts: Sequence[Sequence[int]] = PROMPTS,
-                 max_tokens: int = 16) -> None:
+                 max_tokens: int = 16, kv_cache_memory_bytes: int | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self.out = log_dir / f"{name}.json"
@@ -130,7 +131,8 @@ class LlmEngine:
         self._spec = {"model": str(model), "out": str(self.out), "load_format": load_format,
                       "extra_config": dict(extra_config or {}), "enforce_eager": enforce_eager,
                       "prompts": [list(p) for p in prompts], "max_tokens": max_tokens,
-                      "serve_until": str(self._stop_file) if serve else None}
+                      "serve_until": str(self._stop_file) if serve else None,
+                      "kv_cache_memory_bytes": kv_cache_memory_bytes}
         self._env = dict(env)
         self.proc: subprocess.Popen[bytes] | None = None
         self.result: dict[str, Any] | None = None

@@ -86,6 +86,10 @@ def main(spec_path: str) -> int:
                   max_num_seqs=int(spec.get("max_num_seqs", 8)))
     if spec.get("extra_config"):
         kwargs["model_loader_extra_config"] = spec["extra_config"]
+    if spec.get("kv_cache_memory_bytes"):
+        # a fixed KV cache: vLLM then skips its memory profiling, which fails when another
+        # process on the GPU frees memory meanwhile (a source killed during the pull)
+        kwargs["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = float(spec.get("gpu_memory_utilization", 0.15))
         kwargs["attention_backend"] = spec.get("attention_backend", "TRITON_ATTN")
