@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 
 TRANSPORT = "local"
 DEFAULT_CHUNK_BYTES = 1 << 30
-_HOST_CHUNK_BYTES = 64 << 20   # host copies are synchronous: smaller chunks, finer stops
+# Host copies are synchronous: smaller chunks, finer stops; but each tensor's part of a
+# chunk is one thread's (local.hostcopy), so a chunk must hold several tensors.
+_HOST_CHUNK_BYTES = 256 << 20
 _IN_FLIGHT = 2                 # GPU chunks enqueued ahead (keeps the copy engine busy)
 
 

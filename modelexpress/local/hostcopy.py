@@ -66,19 +66,26 @@ _madvise.restype = ctypes.c_int
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_mincore = _libc.mincore
+_mincore.restype = ctypes.c_int
+_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _prefault_ok = True  # cleared where the kernel does not know MADV_POPULATE_WRITE
 
 
 def _prefault(addr: int, nbytes: int) -> None:
     """Fault in the destination pages of ``[addr, +nbytes)`` writable before a read
-    lands there. New memory (a fresh allocation) has no pages yet; faulting them in
-    from ``pread``'s copy cost clearly more than this populate did (bench/local.py
-    --host, "fresh"), and it changes no byte. Best effort: an error only means the
-    read faults them in itself."""
+    lands there, if the first of them is not there yet (a fresh allocation). Faulting
+    them in from inside ``pread``'s copy cost clearly more than this populate; on
+    touched memory the populate is a page-table walk for nothing, hence the probe
+    (``mincore`` of one page). It changes no byte. Best effort: an error only means
+    the read faults the pages in itself."""
     global _prefault_ok
     if not _prefault_ok or nbytes <= 0:
         return
     start = addr & ~(_PAGE - 1)
+    vec = ctypes.c_ubyte(0)
+    if _mincore(start, _PAGE, ctypes.byref(vec)) == 0 and vec.value & 1:
+        return
     if _madvise(start, (addr + nbytes - start + _PAGE - 1) & ~(_PAGE - 1),
                 _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
         _prefault_ok = False

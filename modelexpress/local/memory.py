@@ -106,6 +106,14 @@ class HostBuffer(ClosedOnCollect):
         except OSError as exc:
             os.close(fd)
             raise BackendError(f"HostBuffer of {nbytes} bytes: {exc}") from exc
+        # Huge pages where the kernel allows them for shared memory (shmem_enabled
+        # "advise", or a per-size mTHP setting): a peer's copy pays per page it reads
+        # (docs/benchmarks.md, "Local transport on host memory"). No-op under "never".
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         self.fd = fd
         self.nbytes = nbytes
         probe = ctypes.c_char.from_buffer(self._mm)
