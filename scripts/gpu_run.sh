@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (two H200s; see ../shared/GPU.md). Usage:
 #   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-8b p2p-nodigest digest
-#                                       shm host-copy shm-ab vmm vllm-stage vllm-engine vllm-pytest
+#                                       local-first shm host-copy shm-ab vmm vllm-stage vllm-engine
+#                                       vllm-pytest
 # `setup` installs the carried wheels (.whl-gpu, built by scripts/build_gpu_carry.sh:
 # nixl-cu13, pydantic-settings, fastapi, uvicorn...) into /tmp/site, the project in
 # editable mode (which builds the C extensions for this machine's Python), and checks
@@ -122,6 +123,12 @@ PY
       ;;
     digest)
       python3 bench/digest.py --gpu 2>&1 | tee "$OUT/bench_digest_gpu.log" | tail -8
+      ;;
+    local-first)  # issue #24: the digest kernel off the first pull's critical path
+      python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/transfer/test_digest_warmup.py \
+        tests/local 2>&1 | tee "$OUT/pytest_gpu_local_first.log" | tail -20
+      python3 bench/local.py --gpu-first --layers 28 --trials 2 2>&1 \
+        | tee "$OUT/bench_local_gpu_first.log" | tail -12
       ;;
     shm)
       python3 bench/shm_arena.py --gpu 2>&1 | tee "$OUT/bench_shm_gpu.log" | tail -20

@@ -81,3 +81,41 @@ def test_a_streaming_hasher_gives_the_digest_of_the_whole_tensor():
             h.update(view[start:start + 300_000])
         assert digest.stream_digest(h, t.numel()) == digest.digest(t, algo)
     assert digest.hasher(digest.WSUM) is None
+
+
+_GPU_FIRST = r"""
+import json, time
+import torch
+from modelexpress.transfer import digest
+dev = torch.device("cuda:0")
+g = torch.Generator(device=dev).manual_seed(5)
+ts = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=dev, generator=g)
+      for n in (1 << 20, 4097, 3)]
+ts.append(torch.arange(9000, dtype=torch.int32, device=dev).view(torch.uint8)[4:])  # 4-aligned
+want = digest.digest_many(ts, digest.WSUM, impl="torch")
+out = {"state_before": digest.kernel_state(dev)}
+t0 = time.perf_counter()
+first = digest.digest_many(ts, digest.WSUM)  # starts the build, does not wait for it
+out["first_s"] = time.perf_counter() - t0
+out["state_after_first"] = digest.kernel_state(dev)
+digest.wait_for_builds()
+out["state_built"] = digest.kernel_state(dev)
+out["same"] = first == want and digest.digest_many(ts, digest.WSUM) == want \
+    and digest.digest_many(ts, digest.WSUM, impl="triton") == want
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.gpu
+def test_a_fresh_process_first_gpu_digest_does_not_wait_for_the_kernel_build():
+    """On the GPU machine: the first digest of a fresh process starts the build and
+    returns the torch form's digest; once built, the kernel gives the same digests for
+    16- and 4-byte-aligned tensors."""
+    proc = subprocess.run([sys.executable, "-c", _GPU_FIRST], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(out)
+    assert out["state_before"] == "not started"
+    assert out["state_after_first"] in ("warming", "ready")
+    assert out["state_built"] == "ready" and out["same"] is True
