@@ -387,13 +387,19 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
         raise ConfigError(f"local pull destinations are on several CUDA devices {sorted(devices)}; "
                           "pull each device's tensors separately")
     device = devices.pop() if devices else None
-    if verify and device is not None:  # the GPU digest kernel builds while we connect and copy
-        from modelexpress.transfer.digest import warm_up
+    from modelexpress.transfer.digest import pause_builds, resume_builds, warm_up
+    if verify and device is not None:  # the GPU digest kernel, built once this pull is done
         warm_up(manifest.digest_algorithm, [f"cuda:{device}"])
     phases: dict[str, float] = {}
-    session = LocalSession(endpoint, device=device,
-                           timeout_s=min(connect_timeout_s, max(0.1, deadline - time.monotonic())),
-                           inventory=inventory)
+    pause_builds()  # no kernel build step beside the copies (GIL: transfer.digest)
+    try:
+        session = LocalSession(endpoint, device=device,
+                               timeout_s=min(connect_timeout_s,
+                                             max(0.1, deadline - time.monotonic())),
+                               inventory=inventory)
+    except BaseException:
+        resume_builds()
+        raise
     t_map = time.monotonic()
     phases["connect+map"] = t_map - t0
     total = sum(p.remote.nbytes for p in pairs)
@@ -428,6 +434,7 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
         t_close = time.monotonic()
         session.close()
         phases["close"] = time.monotonic() - t_close
+        resume_builds()
     kinds: dict[str, int] = {}
     for s in session.segments:
         kinds[s.kind] = kinds.get(s.kind, 0) + 1

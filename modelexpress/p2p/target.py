@@ -429,6 +429,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
     factory = _compose(readers, _local_factory(opts))
     tracker = record
     own_record: TransferTracker | None = None
+    from modelexpress.transfer.digest import pause_builds, resume_builds, warm_up_for
+    pause_builds()  # a digest kernel build waits for the pull (GIL: transfer.digest)
     try:
         with clock.phase("control_plane"):
             candidate_ids, own_record = _candidates(client, identity, opts, record is not None)
@@ -460,10 +462,7 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             # On this thread, before any READ thread exists (see AgentStart).
             with clock.phase("agent_wait"):
                 nixl.start(dest)
-        if opts.verify:
-            # The GPU digest kernel builds beside the rest of the pull (after the agent:
-            # UCX hooks malloc as it starts).
-            from modelexpress.transfer.digest import warm_up_for
+        if opts.verify:  # the GPU digest kernel, built once this pull is done
             warm_up_for(dest, opts.device)
         if dest is None:
             with clock.phase("allocate"):
@@ -526,6 +525,7 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         raise
     finally:
         nixl.close()
+        resume_builds()
 
 
 def _local_factory(opts: PullOptions) -> "ReaderFactory | None":

@@ -37,8 +37,13 @@ Three algorithms, named in the manifest so that source and target agree:
              │ auto: torch form       │ auto: torch form
              └────────────────────────┴──failed──> broken      (torch form, logged once)
 
-    The compile mostly runs outside the GIL (MLIR passes, ptxas in a subprocess), so
-    a pull's own Python calls keep running beside it.
+    A build step (importing Triton, the first launch of a kernel variant) runs a lot of
+    Python; beside it, a pull's many GIL-releasing calls (a torch-form digest launches
+    one op after another, each copy is a driver call) would each wait up to the
+    interpreter's switch interval for the GIL. So no step starts while a pull runs
+    (:func:`pause_builds` / :func:`resume_builds` around every pull): the build that a
+    fresh process's first pull starts runs once that pull is done, and a later pull
+    finds the kernel ready. A step already running when a pull starts is not stopped.
 
 The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128``
 (``blake2b-128`` where ``xxhash`` is not installed).
@@ -46,11 +51,12 @@ The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from modelexpress.errors import ConfigError
@@ -59,8 +65,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ALGORITHMS", "BLAKE2B", "WSUM", "XXH3", "default_algorithm", "digest",
-           "digest_many", "can_compute", "hasher", "kernel_state", "prepare",
-           "stream_digest", "wait_for_builds",
+           "digest_many", "can_compute", "hasher", "kernel_state", "pause_builds", "prepare",
+           "resume_builds", "stream_digest", "wait_for_builds",
            "warm_up", "warm_up_for"]
 
 log = logging.getLogger(__name__)
@@ -202,6 +208,42 @@ def _guarded(call):  # noqa: ANN001, ANN202 - a thunk returning the kernel's res
     return None
 
 
+_steps = threading.Condition()  # guards _paused and each build's in_step
+_paused = 0  # pulls (and NIXL agent creations) in progress: no build step starts
+
+
+def pause_builds(wait_running_s: float = 0.0) -> None:
+    """No digest-kernel build step starts until the matching :func:`resume_builds`.
+
+    Args:
+        wait_running_s: also wait (at most this long) for a step already running to
+            end: what must not run beside one at all (creating a NIXL agent: UCX
+            installs malloc hooks while other threads allocate, ``p2p.readers.AgentStart``).
+            0 for a pull, which goes on at once.
+    """
+    global _paused
+    import time
+    with _steps:
+        _paused += 1
+        end = time.monotonic() + wait_running_s
+        while any(b.in_step for b in _builds.values()):
+            left = end - time.monotonic()
+            if left <= 0:
+                if wait_running_s > 0:
+                    log.warning("a %s kernel build step still runs after %.0f s; going on",
+                                WSUM, wait_running_s)
+                break
+            _steps.wait(left)
+
+
+def resume_builds() -> None:
+    """End a :func:`pause_builds`; paused builds go on once no pause is left."""
+    global _paused
+    with _steps:
+        _paused = max(0, _paused - 1)
+        _steps.notify_all()
+
+
 class _KernelBuild:
     """Builds (compiles or loads from Triton's cache) the kernel for one device on a
     background thread: the 16-byte-aligned variant first (what a pull's tensors are),
@@ -212,21 +254,39 @@ class _KernelBuild:
         self.device = device
         self.lock = threading.Lock()
         self.ready: set[bool] = set()  # aligned-to-16 variants built (True / False)
+        self.in_step = False  # running a step (guarded by _steps)
         self.done = threading.Event()
         self.seconds = 0.0
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"mx-digest-build-{device}")
 
+    def _step(self) -> contextlib.AbstractContextManager[None]:
+        """One build step: starts once no pull runs (see the module docstring)."""
+        @contextlib.contextmanager
+        def step() -> Iterator[None]:
+            with _steps:
+                while _paused:
+                    _steps.wait()
+                self.in_step = True
+            try:
+                yield
+            finally:
+                with _steps:
+                    self.in_step = False
+                    _steps.notify_all()
+        return step()
+
     def _run(self) -> None:
         import time
         began = time.perf_counter()
         try:
-            import torch
-            from modelexpress.transfer._wsum_triton import wsum_batch
-            buf = torch.zeros(_BLOCK + 8, dtype=torch.uint8, device=self.device)
+            with self._step():
+                import torch
+                from modelexpress.transfer._wsum_triton import wsum_batch
+                buf = torch.zeros(_BLOCK + 8, dtype=torch.uint8, device=self.device)
             for aligned in (True, False):
                 raw = buf[:_BLOCK] if aligned else buf[4:4 + _BLOCK]
-                with self.lock:
+                with self._step(), self.lock:
                     if _guarded(lambda: wsum_batch([raw])) is None:
                         return
                 self.ready.add(aligned)
@@ -254,10 +314,9 @@ def _build_for(device: torch.device, start: bool = True) -> _KernelBuild | None:
 
 
 def wait_for_builds(timeout_s: float = _WAIT_BUILT_S) -> None:
-    """Wait until no kernel build runs (bounded; a build still running after
-    ``timeout_s`` is logged and left). For what must not run beside one: creating a
-    NIXL agent (UCX installs malloc hooks while other threads allocate; see
-    ``p2p.readers.AgentStart``)."""
+    """Wait until every kernel build started has finished (bounded; one still running
+    after ``timeout_s`` is logged and left). Must not be called between
+    :func:`pause_builds` and :func:`resume_builds` (a paused build would not finish)."""
     import time
     end = time.monotonic() + timeout_s
     for build in list(_builds.values()):

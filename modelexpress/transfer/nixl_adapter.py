@@ -222,9 +222,9 @@ class NixlAgent:
                                         enable_listen_thread=False, listen_port=listen_port,
                                         num_threads=num_threads, backends=[])
         # ORDER: UCX installs malloc hooks while the agent starts, and a GPU digest kernel
-        # built on another thread allocates all along (p2p.readers.AgentStart): wait.
-        from modelexpress.transfer.digest import wait_for_builds
-        wait_for_builds()
+        # built on another thread allocates all along (p2p.readers.AgentStart): none runs.
+        from modelexpress.transfer.digest import pause_builds, resume_builds
+        pause_builds(wait_running_s=120.0)
         try:
             agent = nixl.nixl_agent(self.name, config)
             plugins = sorted(str(p) for p in agent.get_plugin_list())
@@ -233,6 +233,8 @@ class NixlAgent:
         except RuntimeError as exc:  # "No plugins available" is a plain RuntimeError
             raise TransferError(f"NIXL agent {self.name} could not start: {exc}. "
                                 "Check NIXL_PLUGIN_DIR and the wheel installation.") from exc
+        finally:
+            resume_builds()
         # NIXL's plugin names are upper case; accept "ucx" for "UCX".
         self.backend = {p.upper(): p for p in plugins}.get(backend.strip().upper(), "")
         if not self.backend:

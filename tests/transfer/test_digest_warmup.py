@@ -26,11 +26,18 @@ raws = [torch.arange(n, dtype=torch.int64).to(torch.uint8) for n in (8192, 4099)
 raws.append(torch.arange(8200, dtype=torch.int64).to(torch.uint8)[4:])  # not 16-aligned
 want = digest._torch_pairs(raws)
 out = {}
-# The build is held at its lock (as while it compiles): a digest does not wait for it.
+# While a pull runs (paused), the build starts no step.
+digest.pause_builds()
 build = digest._KernelBuild(dev)
-build.lock.acquire()
+build.lock.acquire()  # later: held at its lock, as while it compiles
 digest._builds[str(dev)] = build
 build.thread.start()
+out["paused_state"] = [digest.kernel_state(dev), build.in_step, build.done.is_set()]
+digest.resume_builds()
+# A pull that must not run beside a step (a NIXL agent's creation) waits for it, bounded.
+digest.pause_builds(wait_running_s=0.05)
+digest.resume_builds()
+# A digest does not wait for the build.
 out["while_building"] = digest._triton_batch(raws)
 out["state_while_building"] = digest.kernel_state(dev)
 digest.wait_for_builds(timeout_s=0.05)  # bounded: returns with the build still held
@@ -51,6 +58,7 @@ def test_the_kernel_builds_in_the_background_and_digests_do_not_wait_for_it():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["paused_state"] == ["warming", False, False]
     assert out["while_building"] is None  # the torch form takes it
     assert out["state_while_building"] == "warming"
     assert out["state_after"] == "ready" and out["variants"] == [False, True]
