@@ -27,7 +27,8 @@ and serves it; this process pulls it over the local transport with digests verif
 (``modelexpress.local.pull``) and measures, interleaved in each round so that a busy
 machine moves them together: ``memcpy_warm`` (``copy_`` between two touched buffers
 of the same size, bench/p2p.py's memcpy), ``memcpy_fresh`` (into a new allocation:
-the page faults every load into new memory pays), the pull into a new destination
+the page faults every load into new memory pays; ``_populated``: its pages populated
+first, ``_huge``: in transparent huge pages), the pull into a new destination
 (``allocate_like``, as ``modelexpress pull`` does) and into a touched one, loading the
 same checkpoint from a warm page cache (``time_disk_load``), and the copy strategies
 one by one (each a whole pull: connect, map, copy, digests, close): copies from the
@@ -356,6 +357,15 @@ def _variant(endpoint: Any, manifest: Any, dest: dict[str, Any], how: str) -> fl
     return time.perf_counter() - t0
 
 
+def _populate(addr: int, nbytes: int, huge: bool) -> None:
+    from modelexpress.local import hostcopy
+    if huge:
+        lo, hi = -(-addr // (2 << 20)) * (2 << 20), (addr + nbytes) // (2 << 20) * (2 << 20)
+        hostcopy._madvise(lo, max(0, hi - lo), 14)  # MADV_HUGEPAGE
+    start = addr & ~4095
+    hostcopy._madvise(start, (addr + nbytes - start + 4095) & ~4095, 23)  # POPULATE_WRITE
+
+
 def _median(xs: list[float]) -> float:
     import statistics
     return statistics.median(xs)
@@ -383,8 +393,8 @@ def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
         for t in warm_dest.values():
             t.view(-1).view(torch.uint8).fill_(0)
         time_disk_load(ckpt, cold=False)  # the page cache holds the checkpoint from here on
-        keys = ("memcpy_warm", "memcpy_fresh", "pull_fresh", "pull_warm", "disk_warm",
-                "mapped_torch", "pread_1", "pread_n")
+        keys = ("memcpy_warm", "memcpy_fresh", "memcpy_fresh_populated", "memcpy_fresh_huge",
+                "pull_fresh", "pull_warm", "disk_warm", "mapped_torch", "pread_1", "pread_n")
         times: dict[str, list[float]] = {k: [] for k in keys}
         phases_fresh: list[dict[str, float]] = []
         phases_warm: list[dict[str, float]] = []
@@ -397,6 +407,15 @@ def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
             fresh.copy_(src)
             times["memcpy_fresh"].append(time.perf_counter() - t0)
             del fresh
+            # The same into new memory populated first, in small pages and in huge pages
+            # (what hostcopy._prefault does, and the huge-page variant it does not).
+            for key, huge in (("memcpy_fresh_populated", False), ("memcpy_fresh_huge", True)):
+                fresh = torch.empty(total, dtype=torch.uint8)
+                t0 = time.perf_counter()
+                _populate(fresh.data_ptr(), total, huge)
+                fresh.copy_(src)
+                times[key].append(time.perf_counter() - t0)
+                del fresh
             dest = allocate_like(manifest)  # new memory, as `modelexpress pull` gets it
             r = pull(endpoint, manifest, dest, verify=True)
             assert r.verified == len(manifest.tensors), r
@@ -418,6 +437,7 @@ def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
 
         out: dict[str, Any] = {
             "case": name, "bytes": total, "tensors": len(manifest.tensors), "rounds": rounds,
+            "loadavg": os.getloadavg(),
             "copy_threads": copy_threads(), "digest": manifest.digest_algorithm,
             "median_s": {k: round(_median(v), 4) for k, v in times.items()},
             "gbps": {k: round(total / _median(v) / 1e9, 2) for k, v in times.items()},

@@ -74,17 +74,25 @@ _prefault_ok = True  # cleared where the kernel does not know MADV_POPULATE_WRIT
 
 def _prefault(addr: int, nbytes: int) -> None:
     """Fault in the destination pages of ``[addr, +nbytes)`` writable before a read
-    lands there, if the first of them is not there yet (a fresh allocation). Faulting
-    them in from inside ``pread``'s copy cost clearly more than this populate; on
-    touched memory the populate is a page-table walk for nothing, hence the probe
-    (``mincore`` of one page). It changes no byte. Best effort: an error only means
-    the read faults the pages in itself."""
+    lands there, if they are not there yet (a fresh allocation).
+
+    New memory costs a fault per page, more than the copy itself on the CI machine,
+    and faults taken inside ``pread``'s copy cost more than this populate at best
+    (bench/local.py --host; docs/benchmarks.md, "Local transport on host memory").
+    Huge pages (``MADV_HUGEPAGE`` first) were measured too and are not asked for:
+    on the CI machine (a VM) they were twice as fast at best and slower at the
+    median. On touched memory the populate would be a page-table walk for nothing,
+    hence the probe (``mincore`` of one page). No byte changes. Best effort: an
+    error only means the read faults the pages in itself."""
     global _prefault_ok
     if not _prefault_ok or nbytes <= 0:
         return
     start = addr & ~(_PAGE - 1)
     vec = ctypes.c_ubyte(0)
-    if _mincore(start, _PAGE, ctypes.byref(vec)) == 0 and vec.value & 1:
+    # ORDER: the probe is the middle page: the first may be shared with the tensor
+    # before, landed already.
+    if _mincore((addr + nbytes // 2) & ~(_PAGE - 1), _PAGE, ctypes.byref(vec)) == 0 \
+            and vec.value & 1:
         return
     if _madvise(start, (addr + nbytes - start + _PAGE - 1) & ~(_PAGE - 1),
                 _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
@@ -285,10 +293,10 @@ class DigestsInPass:
     def run_lane(mapping: "HostMapping", parts: Sequence[Any]) -> None:
         read = mapping.read_into
         for seg, off, dst, n, stream in parts:
+            _prefault(dst, n)
             pos = 0
             while pos < n:
                 take = min(_HOT_PIECE_BYTES, n - pos)
-                _prefault(dst + pos, take)
                 read(seg, off + pos, dst + pos, take)
                 if stream is not None:
                     at = dst + pos - stream.base
