@@ -286,7 +286,7 @@ _PHASE_LABELS = {
     "close": "dropping the pull's NIXL agent (if it made one)",
     "other": "validation, planning, bookkeeping",
     "agent": "[included above] NIXL agent creation",
-    "verify": "[overlapped] digests, alongside the data plane",
+    "verify": "[overlapped] digests (same host: in the data plane's own pass)",
 }
 
 
