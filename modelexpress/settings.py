@@ -126,6 +126,26 @@ class MxSettings(BaseSettings):
         "How a target picks among READY sources: random, or spread (least busy first).")
     serve_after_pull: bool = _field(
         True, "p2p", "A target that finished a pull publishes itself as a source (fan-out).")
+    relay: bool = _field(
+        True, "p2p",
+        "An agent serves the chunks of a transfer it has verified while it still receives, "
+        "and reads from other targets that do (fleet relay: the origin sends the model "
+        "about once however many targets start together).")
+    relay_chunk_bytes: int = _field(
+        4 * _MIB, "p2p",
+        "Fleet relay: bytes per relayed chunk (whole tensors; a larger tensor is a chunk of "
+        "its own). Smaller chunks shorten a relay chain's pipeline; each costs a READ.",
+        gt=0)
+    relay_readers_per_source: int = _field(
+        0, "p2p",
+        "Server: live readers per holder (source or relaying target) before a claim goes "
+        "to another; 1 builds chains, 2 binary trees; 0 lets the planner choose from the "
+        "fleet size and MX_RELAY_CHUNK_BYTES.", ge=0)
+    relay_link_mbit: float = _field(
+        0.0, "p2p",
+        "Fleet relay: this agent's NIC speed in Mbit/s, told to the server's planner (a "
+        "holder whose uplink is k times a reader's downlink takes k readers); 0: unknown.",
+        ge=0)
     max_source_attempts: int = _field(
         3, "p2p", "How many sources a pull tries before giving up.", ge=1)
     node_name: str = _field(

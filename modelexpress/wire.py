@@ -239,6 +239,11 @@ class TransferInfo(_Parse):
     outcome: TransferOutcome | None = Field(
         None, description="How it went, as the target reported in its finish (transport, "
                           "rate, verdict, seconds); null until then or when not reported.")
+    relay_path: tuple[str, ...] = Field(
+        (), description="Fleet relay: the holders the target reads from, chosen when an "
+                        "agent that relays claimed it (s:<source id>, t:<transfer id> of a "
+                        "target still receiving), its upstream first and a READY source last; "
+                        "empty otherwise.")
 
 
 @dataclass(frozen=True, config=_REPLY)

@@ -239,7 +239,9 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
                       gc_after_s=settings.gc_after_s,
                       max_manifest_bytes=settings.server_max_manifest_bytes,
                       default_policy=settings.source_policy,
-                      on_finish=metrics.transfer_finished)
+                      on_finish=metrics.transfer_finished,
+                      readers_per_source=settings.relay_readers_per_source,
+                      relay_chunk_bytes=settings.relay_chunk_bytes)
     metrics.watch_states(cp.counts)
     wakeup = _Wakeup()
     sweep_every = max(0.2, min(settings.stale_after_s / 3, 10.0))

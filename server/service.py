@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import random
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -61,12 +62,18 @@ class ControlPlane:
         clock: wall-clock seconds; tests pass a fake to age records.
         on_finish: called with the record each time a finish report moves a transfer
             to its final state (the app's metrics count outcomes with it).
+        readers_per_source: live readers per holder before a claim goes to another
+            (``MX_RELAY_READERS_PER_SOURCE``; 0: the relay planner chooses, see
+            :mod:`modelexpress.p2p.relay_plan`).
+        relay_chunk_bytes: ``MX_RELAY_CHUNK_BYTES``: the chunk count the planner's
+            chain-or-tree choice assumes.
     """
 
     def __init__(self, store: Store, *, stale_after_s: float, gc_after_s: float,
                  max_manifest_bytes: int, default_policy: str = "random",
                  clock: Callable[[], float] = time.time,
-                 on_finish: Callable[[Record], None] = lambda record: None) -> None:
+                 on_finish: Callable[[Record], None] = lambda record: None,
+                 readers_per_source: int = 0, relay_chunk_bytes: int = 4 << 20) -> None:
         self.store = store
         self.stale_after_s = stale_after_s
         self.gc_after_s = gc_after_s
@@ -74,6 +81,13 @@ class ControlPlane:
         self.default_policy = default_policy
         self.clock = clock
         self.on_finish = on_finish
+        self.readers_per_source = readers_per_source
+        self.relay_chunk_bytes = relay_chunk_bytes
+        # Claims plan against the claims made before them (a reader limit counts the
+        # readers already placed): one at a time on this replica. Across replicas two
+        # claims racing may both see a slot free; the worst case is one holder with a
+        # reader over its limit, which is what a saturated fleet gets anyway.
+        self._claim_lock = threading.Lock()
         self._rng = random.Random()
 
     # --- sources -------------------------------------------------------------
@@ -325,6 +339,7 @@ class ControlPlane:
             "stop_requested": False, "claimed": run_by_target, "restarts": 0,
             "created_at": now, "updated_at": now, "started_at": None, "finished_at": None,
             "run_by_target": run_by_target, "candidates": candidates, "outcome": None,
+            "source_named": source_id is not None,  # the claim keeps a source asked for
         }
         self.store.create("transfers", record)
         log.info("transfer %s created: %s from %s to %s", record["id"], identity_id,
@@ -525,6 +540,7 @@ class ControlPlane:
                     and now - r.get("claimed_at", r["updated_at"]) > CLAIM_REDELIVERY_S)
 
         claimed = []
+        agent = self.store.get("agents", agent_id) or {"labels": {}}
         for t in self.list_transfers(state=_T.PENDING, target_worker=agent_id):
             if t["claimed"] and not lost(t):
                 continue
@@ -532,16 +548,77 @@ class ControlPlane:
             def claim(r: Record) -> Record:
                 if r["state"] != _T.PENDING.value or (r["claimed"] and not lost(r)):
                     raise ConflictError("already claimed")
-                return {**r, "claimed": True, "claimed_at": now, "updated_at": now}
-            try:
-                claimed.append(self._move(t["id"], claim))
-            except (ConflictError, NotFoundError):
-                continue  # another poll or a stop got there first
+                return {**r, "claimed": True, "claimed_at": now, "updated_at": now, **planned}
+            with self._claim_lock:
+                planned = self._plan_claim(t, agent.get("labels") or {})
+                try:
+                    claimed.append(self._move(t["id"], claim))
+                except (ConflictError, NotFoundError):
+                    continue  # another poll or a stop got there first
             if t["claimed"]:
                 log.warning("transfer %s: claimed by agent %s %.0f s ago and never started; "
                             "handed out again (the reply to that poll was lost?)", t["id"],
                             agent_id, now - t.get("claimed_at", t["updated_at"]))
         return claimed
+
+    def _plan_claim(self, t: Record, labels: dict[str, str]) -> dict[str, Any]:
+        """Where a claimed transfer reads from, decided now rather than at creation.
+
+        Every holder of the model counts its live readers; the relay planner
+        (:func:`~modelexpress.p2p.relay_plan.assign`) takes the shallowest one with a
+        free slot. Holders are the READY sources of the identity and, when the claiming
+        agent relays (label ``relay=1``), the live transfers of agents that relay: the
+        target then reads each chunk from that transfer's relay source as soon as it
+        advertises it, and ``relay_path`` lists the holders behind it down to a READY
+        source. A transfer that names a source no longer READY gets another holder;
+        a source named at creation that is at its reader limit gives way to one that
+        is not.
+
+        Returns:
+            Fields to store on the record (nothing when no READY source is left: the
+            agent then fails the transfer on the source it was given).
+        """
+        from modelexpress.p2p.relay_plan import (Holder, assign, choose_fanout, chunks_of,
+                                                 source_ref, transfer_ref)
+
+        if t.get("source_named"):
+            return {}
+        target = t["target_worker"]
+        ready = [s for s in self.list_sources(identity_id=t["identity_id"], state=_S.READY)
+                 if s["worker_id"] != target and not s["worker_id"].startswith(f"{target}-")]
+        if not ready:
+            return {}
+        relays = labels.get("relay") == "1"
+        live = [x for x in self.list_transfers(identity_id=t["identity_id"])
+                if x["id"] != t["id"] and x["state"] in {s.value for s in LIVE}
+                and x["claimed"]]
+        readers: dict[str, int] = {}
+        for x in live:
+            path = x.get("relay_path") or [source_ref(x["source_id"])]
+            readers[path[0]] = readers.get(path[0], 0) + 1
+        holders = [Holder(source_ref(s["id"]), True, readers.get(source_ref(s["id"]), 0))
+                   for s in ready]
+        if relays:
+            holders += [Holder(transfer_ref(x["id"]), False,
+                               readers.get(transfer_ref(x["id"]), 0),
+                               tuple(x["relay_path"]), _mbit(x.get("relay_uplink_mbit")))
+                        for x in live if x.get("relay") and x.get("relay_path")]
+        fanout = self.readers_per_source
+        if fanout <= 0:
+            blob = self.store.get("blobs", ready[0]["id"]) or {}
+            tensors = (blob.get("manifest") or {}).get("tensors") or []
+            total = sum(int(e.get("nbytes", 0)) for e in tensors if isinstance(e, dict))
+            fanout = choose_fanout(len(live) + 1, chunks_of(total, self.relay_chunk_bytes))
+        a = assign(holders, fanout=fanout, downlink_mbit=_mbit(labels.get("downlink_mbit")))
+        src = next(s for s in ready if source_ref(s["id"]) == a.path[-1])
+        ranked = [s["id"] for s in ready if s["id"] != src["id"]]
+        log.info("transfer %s to %s reads from %s (%d holders, %d readers each%s)", t["id"],
+                 target, a.upstream, len(holders), fanout,
+                 "; all at their limit" if a.saturated else "")
+        return {"source_id": src["id"], "source_worker": src["worker_id"],
+                "source_endpoint": src["endpoint"], "candidates": [src["id"], *ranked],
+                "relay": relays, "relay_path": list(a.path) if relays else [],
+                "relay_uplink_mbit": _mbit(labels.get("uplink_mbit"))}
 
     def list_agents(self) -> list[Record]:
         """Every registered agent, by id."""
@@ -597,3 +674,11 @@ class ControlPlane:
         for t in self.store.list("transfers"):
             transfers[t["state"]] += 1
         return sources, transfers
+
+
+def _mbit(value: Any) -> float:
+    """A link speed label (Mbit/s) as a number; 0 when absent or not a number."""
+    try:
+        return max(float(value), 0.0)
+    except (TypeError, ValueError):
+        return 0.0

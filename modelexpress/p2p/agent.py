@@ -6,9 +6,16 @@ assigned source first, then others), report progress (whose reply carries "stop"
 and finish with SUCCEEDED, STOPPED or FAILED. A finished pull is optionally written
 out as safetensors and served onward (fan-out).
 
+A transfer the server's planner put on a relay path (``TransferInfo.relay_path``,
+agents registered with ``MX_RELAY``) is run by :mod:`~modelexpress.p2p.relay`: its
+destination is served from the first chunk while each chunk is read from the first
+live holder on the path, so transfers started together form a chain or a tree and the
+origin sends the model about once.
+
 Partial data is never published: the output directory of a transfer appears only
 after every tensor arrived and verified, and a stopped or failed transfer's tensors
-are dropped.
+are dropped (a relay serves its verified prefix only while the transfer runs, and
+becomes a READY source only after every digest was checked again).
 """
 
 from __future__ import annotations
@@ -55,6 +62,11 @@ class AgentOptions:
         serve_after_pull: publish each finished transfer as a source (fan-out).
         heartbeat_interval_s: heartbeat of fan-out sources.
         poll_wait_s: long-poll wait per request.
+        relay: serve a transfer's verified chunks while receiving, and read from
+            holders the server's planner names (``MX_RELAY``; :mod:`~.relay`).
+        relay_chunk_bytes: bytes per relayed READ request (``MX_RELAY_CHUNK_BYTES``).
+        link_mbit: this worker's NIC speed for the planner, 0 unknown
+            (``MX_RELAY_LINK_MBIT``).
     """
 
     pull: PullOptions = _AGENT_PULL
@@ -62,6 +74,9 @@ class AgentOptions:
     serve_after_pull: bool = True
     heartbeat_interval_s: float = 5.0
     poll_wait_s: float = 10.0
+    relay: bool = True
+    relay_chunk_bytes: int = 4 << 20
+    link_mbit: float = 0.0
 
     @property
     def device(self) -> str:
@@ -88,6 +103,9 @@ class AgentOptions:
         values: dict[str, Any] = {
             "serve_after_pull": settings.serve_after_pull,
             "heartbeat_interval_s": settings.heartbeat_interval_s,
+            "relay": settings.relay,
+            "relay_chunk_bytes": settings.relay_chunk_bytes,
+            "link_mbit": settings.relay_link_mbit,
         }
         return cls(pull=pull, **{**values, **own})
 
@@ -114,7 +132,12 @@ class Agent(Closeable):
 
     def register(self) -> None:
         """(Re-)register with the control plane."""
-        self.client.register_agent(self.agent_id, labels={"device": self.options.device})
+        labels = {"device": self.options.device}
+        if self.options.relay:
+            labels["relay"] = "1"  # the server's planner may chain transfers through us
+        if self.options.link_mbit > 0:
+            labels["uplink_mbit"] = labels["downlink_mbit"] = f"{self.options.link_mbit:g}"
+        self.client.register_agent(self.agent_id, labels=labels)
         log.info("agent %s registered (device %s)", self.agent_id, self.options.device)
 
     def warm_up(self) -> float:
@@ -202,6 +225,8 @@ class Agent(Closeable):
                                 transfer.id, exc)
 
     def _execute(self, transfer: "TransferInfo", shutdown: threading.Event | None) -> str:
+        if transfer.relay_path and self.options.relay and self._nixl is not None:
+            return self._execute_relayed(transfer, shutdown)
         opts = self.options
         tracker = TransferTracker(self.client, transfer.id,
                                   interval_s=opts.pull.progress_interval_s,
@@ -256,6 +281,106 @@ class Agent(Closeable):
         else:
             _close(shared)
         return state
+
+    def _execute_relayed(self, transfer: "TransferInfo",
+                         shutdown: threading.Event | None) -> str:
+        """Run a transfer the planner put on a relay path (:mod:`~.relay`): serve its
+        destination from the first chunk while reading each chunk from the first live
+        holder on the path."""
+        from modelexpress.p2p.relay import RelayReader, RelayServer, relay_worker_id
+        from modelexpress.p2p.target import allocate_like, manifest_of
+
+        opts = self.options
+        # Every verified tensor is advertised at once (from the reader's own thread);
+        # the rate-limited reports of the pull only repeat the same watermark.
+        tracker = TransferTracker(self.client, transfer.id,
+                                  interval_s=opts.pull.progress_interval_s,
+                                  source_id=transfer.source_id)
+        log.info("agent %s: transfer %s of %s relayed through %s", self.agent_id, transfer.id,
+                 transfer.identity_id, " -> ".join(transfer.relay_path))
+        relay: RelayServer | None = None
+        try:
+            info = self.client.get_source(transfer.source_id)
+            identity = ModelIdentity.from_dict(info.identity)
+            origin = manifest_of(info)
+            dest = allocate_like(origin, opts.device)  # one slab, in manifest order
+            try:
+                relay = RelayServer(self.client, identity, dest, origin,
+                                    worker_id=relay_worker_id(self.agent_id, transfer.id),
+                                    heartbeat_interval_s=opts.heartbeat_interval_s,
+                                    backend=opts.pull.backend)
+            except MxError as exc:
+                log.warning("transfer %s: not relaying (reading only): %s", transfer.id, exc)
+            assert self._nixl is not None
+            reader = RelayReader(self.client, self._nixl, info, origin, transfer.relay_path,
+                                 identity_id=transfer.identity_id,
+                                 chunk_bytes=opts.relay_chunk_bytes, stall_s=opts.pull.stall_s,
+                                 verify=opts.pull.verify,
+                                 refuse_slow_transport=opts.pull.refuse_slow_transport,
+                                 advertise=lambda done, total: tracker.report(done, total,
+                                                                              force=True),
+                                 local=self._local_readers(),
+                                 local_group_bytes=opts.pull.chunk_bytes)
+            own = tuple(h.worker_id for h in self.served)
+            result = pull(identity, dest, client=self.client,
+                          options=opts.pull.replace(prefer=(transfer.source_id,),
+                                                    exclude_workers=own, track=False),
+                          stop=lambda: bool(shutdown and shutdown.is_set()), record=tracker,
+                          fetched=(info,), manager=self._nixl,
+                          readers=lambda i, m: reader if i.id == info.id else None)
+        except TransferCancelledError:
+            _close(relay)
+            if not tracker.stop_requested.is_set():
+                return self._finish(tracker, "FAILED", done=tracker.done,
+                                    error="agent shut down mid-transfer; restart it")
+            return self._finish(tracker, "STOPPED", done=tracker.done)
+        except MxError as exc:
+            _close(relay)
+            log.error("transfer %s failed: %s", transfer.id, exc)
+            return self._finish(tracker, "FAILED", error=f"{type(exc).__name__}: {exc}",
+                                done=tracker.done)
+        except BaseException:
+            _close(relay)
+            raise
+        if tracker.stop_requested.is_set():
+            _close(relay)
+            return self._finish(tracker, "STOPPED", done=result.bytes)
+        out = self._write_out(transfer.id, dest)
+        # ORDER: finish before the relay changes: a reader takes SUCCEEDED as "holds it
+        # all", and the relay still serves while its digests are checked again.
+        state = self._finish(tracker, "SUCCEEDED", done=result.bytes, outcome=outcome_of(result))
+        if state != "SUCCEEDED":
+            _close(relay)
+            if out is not None:
+                shutil.rmtree(out, ignore_errors=True)
+            return state
+        log.info("transfer %s: %d bytes in %.3f s (%.2f GB/s over %s from %s; %.3f s in all)",
+                 transfer.id, result.bytes, result.seconds, result.gbps, result.transport,
+                 ", ".join(reader.read_from), result.total_seconds)
+        if relay is not None:
+            handle = relay.promote() if opts.serve_after_pull else None
+            if handle is not None:
+                self.served.append(handle)  # the fan-out source: the same memory, READY
+            else:
+                relay.close()
+        elif opts.serve_after_pull:
+            self._serve(identity, dest, None)
+        return state
+
+    def _local_readers(self) -> Any:
+        """The local transport's reader factory (None when off or without a host id)."""
+        local = self.options.pull.local
+        if not local.enabled:
+            return None
+        from modelexpress.errors import ConfigError
+        from modelexpress.local.reader import local_reader_factory
+
+        try:
+            return local_reader_factory(local, chunk_bytes=self.options.pull.chunk_bytes,
+                                        verify=self.options.pull.verify)
+        except ConfigError as exc:
+            log.warning("local transport off for relayed transfers: %s", exc)
+            return None
 
     def _shared_destination(self, info: "SourceInfo") -> tuple[Any, dict[str, Any] | None]:
         """A memfd-backed host destination when the pulled weights will be served onward

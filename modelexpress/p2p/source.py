@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import ControlPlaneError, MxError, NotFoundError
@@ -152,7 +152,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                  guardian: bool = False, backend: str = "UCX",
                  local: "LocalOptions | None" = None,
                  host_buffers: Sequence["HostBuffer"] = (),
-                 own_host_buffers: bool = True) -> SourceHandle:
+                 own_host_buffers: bool = True,
+                 state: Literal["INITIALIZING", "READY"] = "READY") -> SourceHandle:
     """Register ``tensors`` with NIXL and publish them as a READY source.
 
     Args:
@@ -191,6 +192,9 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
             handle closes them when it closes (views of them keep their pages).
         own_host_buffers: False: the caller keeps ``host_buffers`` open after the
             handle closes (a pool that serves version after version from them).
+        state: INITIALIZING publishes memory still being filled, which no pull ranks
+            (a fleet relay, :mod:`~modelexpress.p2p.relay`); heartbeats keep the state
+            until the caller moves it to READY.
 
     Returns:
         A :class:`SourceHandle`; close it to withdraw.
@@ -229,7 +233,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         info = client.publish_source(identity, wid, manifest=json.loads(manifest_json),
                                      agent_metadata=mgr.get_agent_metadata(),
                                      endpoint=endpoint or f"{socket.gethostname()}:{mgr.name}",
-                                     devices=tuple(dict.fromkeys(gpus.values())))
+                                     devices=tuple(dict.fromkeys(gpus.values())), state=state)
     except BaseException:
         if local_source is not None:
             local_source.close()

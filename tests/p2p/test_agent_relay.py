@@ -1,0 +1,89 @@
+"""Fleet relay in one process: three agents claimed together read through each other.
+
+A real server and source (``modelexpress publish``), three in-process agents over
+NIXL (the local transport off, so every byte crosses a NIXL READ). The server's
+planner chains them (origin -> first -> second -> third); each agent serves its
+destination from its first chunk and ends as a READY fan-out source.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+
+import pytest
+import torch
+
+from conftest import MODEL, Cluster
+from modelexpress.checkpoint import load_checkpoint, real_model_checkpoint
+from modelexpress.client import MxClient
+from modelexpress.identity import ModelIdentity
+from modelexpress.p2p.agent import Agent, AgentOptions
+from modelexpress.p2p.relay import relay_source_id, relay_worker_id
+from modelexpress.server.service import source_id_for
+from modelexpress.settings import MxSettings
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+
+def test_the_relay_source_id_rule_is_the_servers() -> None:
+    assert relay_source_id("a" * 32, "w") == source_id_for("a" * 32, "w")
+
+
+def test_three_agents_claimed_together_form_a_chain_and_every_byte_is_the_origins(
+        patient_cluster: Cluster, tmp_path: pathlib.Path) -> None:
+    cluster = patient_cluster
+    _, published = cluster.source()
+    settings = MxSettings(ipc_dir="off")
+    clients = [MxClient(cluster.server.url, token=cluster.server.token, timeout_s=10.0)
+               for _ in range(3)]
+    agents = [Agent(c, f"relay-agent-{i}", AgentOptions.from_settings(
+        settings, out_dir=tmp_path / f"out{i}", relay_chunk_bytes=2 << 20))
+        for i, c in enumerate(clients)]
+    try:
+        for a in agents:
+            a.warm_up()  # on this thread: UCX starts here, not in the workers below
+            a.register()
+        ident = ModelIdentity(model=MODEL, dtype="float32")
+        started = [cluster.client.start_transfer(ident, a.agent_id) for a in agents]
+        states: dict[str, str] = {}
+        paths: dict[str, tuple[str, ...]] = {}
+
+        def run(agent: Agent) -> None:
+            claimed = cluster.wait_for(
+                lambda: agent.client.poll_assignments(agent.agent_id, wait_s=1.0),
+                f"the assignment of {agent.agent_id}")
+            (t,) = claimed
+            paths[agent.agent_id] = t.relay_path
+            states[agent.agent_id] = agent.execute(t)
+
+        # claimed one after the other (as agents polling together would), run together
+        threads = []
+        for a in agents:
+            th = threading.Thread(target=run, args=(a,))
+            th.start()
+            threads.append(th)
+            cluster.wait_for(lambda: a.agent_id in paths, "the claim")
+        for th in threads:
+            th.join(240)
+        assert not any(th.is_alive() for th in threads)
+        assert states == {a.agent_id: "SUCCEEDED" for a in agents}, states
+        origin = f"s:{published['source_id']}"
+        assert paths[agents[0].agent_id] == (origin,)
+        assert paths[agents[1].agent_id] == (f"t:{started[0].id}", origin)
+        assert paths[agents[2].agent_id][0] == f"t:{started[1].id}"
+        ref = load_checkpoint(real_model_checkpoint())
+        for i in range(3):
+            got = load_checkpoint(tmp_path / f"out{i}" / started[i].id)
+            assert got.keys() == ref.keys()
+            for name, t in ref.items():
+                assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+        # each relay source became the agent's READY fan-out source
+        for a, t in zip(agents, started):
+            sid = relay_source_id(t.identity_id, relay_worker_id(a.agent_id, t.id))
+            assert cluster.client.get_source(sid).state == "READY"
+    finally:
+        for a in agents:
+            a.close()
+        for c in clients:
+            c.close()
