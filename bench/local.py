@@ -34,7 +34,10 @@ same checkpoint from a warm page cache (``time_disk_load``), and the copy strate
 one by one (each a whole pull: connect, map, copy, digests, close): copies from the
 mapping with torch (the transport before issue #24), ``pread`` on one thread then on
 N threads with digests after the copy, and with digests alongside (what ``pull``
-does). Ratios are per round (same moment), medians reported, and from each
+does); then, in fresh processes (``process_disk`` / ``process_pull``: a warm
+page-cache load, a verified pull into ``allocate_like``'s memory, each timed alone in
+a new process, as a user's command or a new engine meets them: nothing in the heap
+to reuse). Ratios are per round (same moment), medians reported, and from each
 measurement's best round (``best_ratios``: what the machine does when nothing else
 runs, on a shared CI machine the steadier figure). Cases ``1gib``
 (1.07 GB, 57 tensors) and ``70mb`` (70.5 MB, 33 tensors).
@@ -371,7 +374,46 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
+def host_target(args: argparse.Namespace) -> None:
+    """A fresh process of --host: one warm page-cache load or one verified pull (into
+    ``allocate_like``'s new memory), timed alone; one JSON line."""
+    what, ckpt = args.host_target.split(":", 1)
+    # Imports first, untimed: both a loader and a pull pay them, and they are not the
+    # weights' time (bench/p2p.py --small measures a command's whole time).
+    import safetensors.torch  # noqa: F401
+    import torch  # noqa: F401
+    import xxhash  # noqa: F401
+
+    import modelexpress.local.client  # noqa: F401
+    import modelexpress.local.hostcopy  # noqa: F401
+    import modelexpress.transfer.planner  # noqa: F401
+    if what == "disk":
+        from modelexpress.checkpoint import time_disk_load
+        print(json.dumps({"seconds": time_disk_load(ckpt, cold=False)}))
+        return
+    from modelexpress.local import LocalEndpoint, pull
+    from modelexpress.p2p.target import allocate_like
+    from modelexpress.transfer.manifest import Manifest
+    info = json.load(open(args.info))
+    manifest = Manifest.from_json(info["manifest"])
+    endpoint = LocalEndpoint.from_json(info["endpoint"])
+    t0 = time.perf_counter()
+    dest = allocate_like(manifest)
+    r = pull(endpoint, manifest, dest, verify=True)
+    assert r.verified == len(manifest.tensors), r
+    print(json.dumps({"seconds": time.perf_counter() - t0}))
+
+
+def _host_target(what: str, info_path: str, ckpt: str) -> float:
+    proc = subprocess.run([sys.executable, __file__, "--host-target", f"{what}:{ckpt}",
+                           "--info", info_path], stdout=subprocess.PIPE, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"--host-target {what} exited {proc.returncode}")
+    return float(json.loads(lines[-1])["seconds"])
+
+
+def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[str, Any]:
     import torch
 
     from modelexpress.checkpoint import LlamaShape, generate_llama_checkpoint, time_disk_load
@@ -381,8 +423,9 @@ def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
     from modelexpress.transfer.manifest import Manifest
     ckpt = os.path.join(tmp, f"ckpt-{name}")
     generate_llama_checkpoint(ckpt, LlamaShape(**HOST_CASES[name]))
+    info_path = os.path.join(tmp, f"info-{name}.json")
     proc, info = _start_source(["--serve-host", ckpt, "--ipc-dir", os.path.join(tmp, "ipc")],
-                               os.path.join(tmp, f"info-{name}.json"))
+                               info_path)
     try:
         endpoint = LocalEndpoint.from_json(info["endpoint"])
         manifest = Manifest.from_json(info["manifest"])
@@ -394,7 +437,8 @@ def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
             t.view(-1).view(torch.uint8).fill_(0)
         time_disk_load(ckpt, cold=False)  # the page cache holds the checkpoint from here on
         keys = ("memcpy_warm", "memcpy_fresh", "memcpy_fresh_populated", "memcpy_fresh_huge",
-                "pull_fresh", "pull_warm", "disk_warm", "mapped_torch", "pread_1", "pread_n")
+                "pull_fresh", "pull_warm", "disk_warm", "mapped_torch", "pread_1", "pread_n",
+                "process_disk", "process_pull")
         times: dict[str, list[float]] = {k: [] for k in keys}
         phases_fresh: list[dict[str, float]] = []
         phases_warm: list[dict[str, float]] = []
@@ -429,6 +473,12 @@ def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
             for how in ("mapped_torch", "pread_1", "pread_n"):
                 times[how].append(_variant(endpoint, manifest, warm_dest, how))
 
+        # A fresh process each, as a user's `modelexpress pull` or a new engine's load:
+        # nothing in its heap to reuse, so both pay the new memory's page faults.
+        for _ in range(fresh_rounds):
+            for what in ("disk", "pull"):
+                times[f"process_{what}"].append(_host_target(what, info_path, ckpt))
+
         def ratio(num: str, den: str) -> float:  # den time / num time, per round: GB/s ratio
             return round(_median([b / a for a, b in zip(times[num], times[den])]), 3)
 
@@ -445,6 +495,7 @@ def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
             "pull_fresh_vs_memcpy_fresh": ratio("pull_fresh", "memcpy_fresh"),
             "pull_fresh_vs_memcpy_warm": ratio("pull_fresh", "memcpy_warm"),
             "pull_fresh_vs_disk_warm": ratio("pull_fresh", "disk_warm"),
+            "process_pull_vs_process_disk": ratio("process_pull", "process_disk"),
             "strategies_vs_memcpy_warm": {k: ratio(k, "memcpy_warm") for k in
                                           ("mapped_torch", "pread_1", "pread_n", "pull_warm")},
             "best_s": {k: round(min(v), 4) for k, v in times.items()},
@@ -453,6 +504,7 @@ def host_case(name: str, rounds: int, tmp: str) -> dict[str, Any]:
                 "pull_fresh_vs_memcpy_fresh": best_ratio("pull_fresh", "memcpy_fresh"),
                 "pull_fresh_vs_memcpy_warm": best_ratio("pull_fresh", "memcpy_warm"),
                 "pull_fresh_vs_disk_warm": best_ratio("pull_fresh", "disk_warm"),
+                "process_pull_vs_process_disk": best_ratio("process_pull", "process_disk"),
                 **{f"{k}_vs_memcpy_warm": best_ratio(k, "memcpy_warm")
                    for k in ("mapped_torch", "pread_1", "pread_n")}},
             "phases_fresh_median": {k: round(_median([p[k] for p in phases_fresh]), 4)
@@ -482,7 +534,9 @@ def host_main(args: argparse.Namespace) -> None:
                   f"{r['pull_warm_vs_memcpy_warm']}, pull fresh / memcpy fresh "
                   f"{r['pull_fresh_vs_memcpy_fresh']}, pull fresh / memcpy warm "
                   f"{r['pull_fresh_vs_memcpy_warm']}, pull fresh / disk warm "
-                  f"{r['pull_fresh_vs_disk_warm']} | strategies / memcpy warm "
+                  f"{r['pull_fresh_vs_disk_warm']}, fresh process: disk load "
+                  f"{m['process_disk']} s / pull {m['process_pull']} s "
+                  f"{r['process_pull_vs_process_disk']} | strategies / memcpy warm "
                   f"{r['strategies_vs_memcpy_warm']} | best-round ratios {r['best_ratios']} | "
                   f"phases fresh {r['phases_fresh_median']}",
                   flush=True)
@@ -611,6 +665,7 @@ def main() -> None:
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--serve-host", default="", help=argparse.SUPPRESS)
     p.add_argument("--gpu-target", default="", help=argparse.SUPPRESS)
+    p.add_argument("--host-target", default="", help=argparse.SUPPRESS)
     p.add_argument("--info", default="", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda:0", help=argparse.SUPPRESS)
     p.add_argument("--ipc-dir", default="", help=argparse.SUPPRESS)
@@ -620,6 +675,9 @@ def main() -> None:
         return
     if args.gpu_target:
         gpu_target(args)
+        return
+    if args.host_target:
+        host_target(args)
         return
     if args.host:
         host_main(args)
