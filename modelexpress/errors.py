@@ -37,6 +37,7 @@ callers catch our names only.
     ├── ShmArenaError                      shared-memory tensor arena (modelexpress.shm_arena)
     │   └── ShmSpaceError                  /dev/shm too small; says how much is free and needed
     ├── NoSourceError                      no READY source could serve a pull
+    ├── ArtifactRefusedError               a compiled-artifact set failed its signature, digests or paths
     └── WeightUpdateError                  an RL weight update failed; the engine kept its weights
 """
 
@@ -73,6 +74,7 @@ __all__ = [
     "ShmArenaError",
     "ShmSpaceError",
     "NoSourceError",
+    "ArtifactRefusedError",
     "WeightUpdateError",
 ]
 
@@ -206,6 +208,11 @@ class ShmSpaceError(ShmArenaError):
 
 class NoSourceError(MxError):
     """No READY source could serve a pull; the message lists why each was skipped."""
+
+
+class ArtifactRefusedError(MxError):
+    """A compiled-artifact set was refused: unsigned, a bad signature, a digest mismatch or
+    a path outside its root. Nothing of it was installed (modelexpress.artifacts)."""
 
 
 class WeightUpdateError(MxError):

@@ -161,6 +161,16 @@ class MxSettings(BaseSettings):
         True, "p2p",
         "vLLM loader: a source publishes its model's output on a fixed probe input; a "
         "target compares its own after the pull and loads from disk on a mismatch.")
+    artifact_key: SecretStr | None = _field(
+        None, "p2p",
+        "Key that signs and verifies compiled-artifact sets (vLLM's compile cache, "
+        "inductor and Triton kernels): the secret itself (at least 16 bytes) or "
+        "file:PATH. Unset: artifacts are neither served nor pulled. A target installs only "
+        "sets signed with this key; every engine of a fleet needs the same one.")
+    artifact_settle_s: float = _field(
+        2.0, "p2p",
+        "vLLM source: after the engine's compile and warm-up, how long its cache directories "
+        "must stay unchanged before they are published as artifacts.", gt=0, le=600)
 
     # --- shared-memory tensor arena -----------------------------------------
     shm_tensor_arena: bool = _field(

@@ -1,0 +1,255 @@
+"""Artifact sets as sources: packed into one blob, served and pulled like weights.
+
+A set's files are read into one memfd-backed ``uint8`` tensor (``artifacts``) and
+published with :func:`~modelexpress.p2p.serve_source` under the set's own identity:
+peers on this host map it over the local transport, others READ it over NIXL, the
+server keeps only metadata (the set and its signature ride in the manifest's
+attributes). A target:
+
+1. lists READY sources of the artifact identity (none: ``miss``);
+2. checks the first one's set and signature *before* any byte moves (bad, unsigned,
+   another key: that source is passed over; all bad: ``refused``);
+3. pulls the blob with :func:`~modelexpress.p2p.pull` (the verified source first,
+   digests checked by the data plane);
+4. checks every file against the signed sha256 and installs (``install.py``):
+   ``installed``, ``present`` (its own cache is there; untouched) or ``refused``.
+
+Outcomes are strings (:data:`OUTCOMES`) because they end up in logs, load reports and
+Prometheus labels alike; whether the engine then used the files (``hit``) is for the
+engine's adapter to observe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from modelexpress.artifacts.install import InstallResult, install_set
+from modelexpress.artifacts.manifest import ArtifactSet, InstallUnit, collect_files
+from modelexpress.artifacts.signing import ArtifactKey
+from modelexpress.errors import ArtifactRefusedError, MxError
+
+if TYPE_CHECKING:
+    from modelexpress.client import MxClient
+    from modelexpress.identity import ModelIdentity
+    from modelexpress.local import HostBuffer, LocalOptions
+    from modelexpress.p2p import PullOptions, SourceHandle
+
+__all__ = ["ATTR_SET", "ATTR_SIGNATURE", "BLOB", "OUTCOMES", "ArtifactPull", "pack_files",
+           "pull_artifacts", "serve_packed"]
+
+log = logging.getLogger(__name__)
+
+ATTR_SET = "mx_artifacts"
+ATTR_SIGNATURE = "mx_artifacts_signature"
+BLOB = "artifacts"
+OUTCOMES = ("installed", "present", "miss", "refused", "off", "error")
+"""``installed``: written into this engine's cache roots; ``present``: the engine had a
+cache of its own (left alone); ``miss``: no source serves this artifact identity;
+``refused``: signature, digest or path checks failed (nothing installed); ``off``: no
+key configured; ``error``: the pull or the write failed (the engine compiles)."""
+
+
+@dataclasses.dataclass
+class ArtifactPull:
+    """How one artifact pull went (also logged by the caller).
+
+    Attributes:
+        outcome: one of :data:`OUTCOMES`.
+        reason: why, in one line (for everything but ``installed``).
+        source_id: the source whose signed set was installed or refused.
+        files, bytes: what was installed.
+        kinds: the artifact kinds in the set.
+        pull_seconds: the data plane (the pull call).
+        install_seconds: verification and writing.
+        transport: the transport the blob came over (``local``, ``cma``, ``rc_mlx5``...).
+        install: the :class:`~modelexpress.artifacts.install.InstallResult`, if any.
+    """
+
+    outcome: str
+    reason: str = ""
+    source_id: str | None = None
+    files: int = 0
+    bytes: int = 0
+    kinds: tuple[str, ...] = ()
+    pull_seconds: float = 0.0
+    install_seconds: float = 0.0
+    transport: str = ""
+    install: InstallResult | None = None
+
+
+def pack_files(roots: Mapping[str, pathlib.Path], dirs: Sequence[tuple[str, str]], *,
+               units: Sequence[InstallUnit] = (), prefixes: Mapping[str, str] | None = None,
+               facts: Mapping[str, str] | None = None,
+               name: str = "mx-artifacts") -> tuple[ArtifactSet, "HostBuffer"]:
+    """Read the files under ``dirs`` into one new host buffer and describe them.
+
+    Each file's sha256 is taken from the bytes copied into the buffer (not from the
+    file again), so what is signed is exactly what is served.
+
+    Returns:
+        ``(set, buffer)``; serve them with :func:`serve_packed`.
+
+    Raises:
+        ConfigError: nothing to pack, or a kind without a root.
+    """
+    import hashlib
+
+    from modelexpress.artifacts.manifest import ArtifactFile
+    from modelexpress.errors import ConfigError
+    from modelexpress.local import HostBuffer
+
+    found = collect_files(roots, dirs)
+    if not found:
+        raise ConfigError(f"no artifact files under {[f'{k}:{d}' for k, d in dirs]}")
+    total = sum(size for *_, size, _mode in found)
+    buf = HostBuffer(max(total, 1), name=name)
+    view = memoryview(buf.tensor(0, (max(total, 1),), _uint8()).numpy()).cast("B")
+    files, offset = [], 0
+    for kind, rel, full, size, mode in found:
+        with open(full, "rb") as fh:
+            got = fh.readinto(view[offset:offset + size])
+        if got != size:
+            buf.close()
+            raise ConfigError(f"artifact file {full} changed size while it was read")
+        digest = hashlib.sha256(view[offset:offset + size]).hexdigest()
+        files.append(ArtifactFile(kind, rel, size, mode, digest, offset))
+        offset += size
+    view.release()
+    aset = ArtifactSet(tuple(files), tuple(units), dict(prefixes or {}), dict(facts or {}))
+    return aset, buf
+
+
+def serve_packed(identity: "ModelIdentity", aset: ArtifactSet, buf: "HostBuffer", *,
+                 key: ArtifactKey, client: "MxClient", local: "LocalOptions | None" = None,
+                 manager: Any = None, backend: str = "UCX", heartbeat_interval_s: float = 5.0,
+                 guardian: bool = False) -> "SourceHandle":
+    """Publish a packed set as a READY source of ``identity`` (signed with ``key``).
+
+    The handle owns ``buf``: closing it withdraws the source and frees the buffer.
+    """
+    from modelexpress.p2p import serve_source
+
+    blob = buf.tensor(0, (max(aset.total_bytes, 1),), _uint8())
+    attributes = {ATTR_SET: aset.to_json(), ATTR_SIGNATURE: key.sign(aset.canonical_bytes())}
+    try:
+        handle = serve_source(identity, {BLOB: blob}, client=client, manager=manager,
+                              backend=backend, heartbeat_interval_s=heartbeat_interval_s,
+                              attributes=attributes, guardian=guardian, local=local,
+                              host_buffers=(buf,))
+    except BaseException:
+        del blob
+        buf.close()
+        raise
+    log.info("artifacts: serving %d files (%.1f MB, kinds %s) as source %s (identity %s)",
+             len(aset.files), aset.total_bytes / 1e6, ",".join(aset.kinds), handle.source_id,
+             identity.id)
+    return handle
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _checked_set(info: Any, key: ArtifactKey) -> ArtifactSet:
+    attributes = (info.manifest or {}).get("attributes") or {}
+    if ATTR_SET not in attributes:
+        raise ArtifactRefusedError("the source publishes no artifact set")
+    aset = ArtifactSet.from_json(attributes[ATTR_SET])
+    key.verify(aset.canonical_bytes(), attributes.get(ATTR_SIGNATURE))
+    return aset
+
+
+def pull_artifacts(identity: "ModelIdentity", *, key: ArtifactKey | None,
+                   client: "MxClient", options: "PullOptions",
+                   roots: Mapping[str, pathlib.Path],
+                   mapping: "Mapping[str, str] | Callable[[ArtifactSet], Mapping[str, str]] | None" = None,
+                   manager: Any = None, check_facts: Mapping[str, str] | None = None
+                   ) -> ArtifactPull:
+    """Pull, verify and install the artifact set of ``identity``; never raises on a refusal.
+
+    Args:
+        identity: the artifact identity (everything that must match is in it).
+        key: the operator's key; None: ``off`` (nothing is pulled).
+        client, options, manager: as for :func:`~modelexpress.p2p.pull`.
+        roots: kind -> this engine's cache root for it.
+        mapping: symbolic prefix name -> this engine's directory (see ``manifest.py``), or
+            a function of the (verified) set that returns it.
+        check_facts: facts the set must state with these exact values (defence in
+            depth: they are in the identity already).
+
+    Returns:
+        An :class:`ArtifactPull`.
+    """
+    if key is None:
+        return ArtifactPull("off", "no MX_ARTIFACT_KEY: compiled artifacts are not pulled")
+    try:
+        ready = client.list_sources(identity=identity, state="READY")
+    except MxError as exc:
+        return ArtifactPull("error", f"listing artifact sources failed: {exc}")
+    if not ready:
+        return ArtifactPull("miss", f"no READY source serves artifact identity {identity.id}")
+    refusals: list[str] = []
+    chosen = None
+    for summary in ready:
+        try:
+            info = client.get_source(summary.id)
+            aset = _checked_set(info, key)
+            for name, want in (check_facts or {}).items():
+                if aset.facts.get(name) != want:
+                    raise ArtifactRefusedError(f"the set's {name} is {aset.facts.get(name)!r}, "
+                                               f"this engine has {want!r}")
+        except ArtifactRefusedError as exc:
+            refusals.append(f"source {summary.id}: {exc}")
+            log.warning("artifacts: refusing source %s: %s", summary.id, exc)
+            continue
+        except MxError as exc:
+            refusals.append(f"source {summary.id}: {exc}")
+            continue
+        chosen = (info, aset)
+        break
+    if chosen is None:
+        return ArtifactPull("refused", "; ".join(refusals))
+    info, aset = chosen
+    from modelexpress.p2p import pull
+
+    got: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:
+        result = pull(identity, None, client=client, manager=manager, fetched=[info],
+                      options=options.replace(prefer=(info.id,)),
+                      on_destination=got.update)
+    except MxError as exc:
+        return ArtifactPull("error", f"pulling the artifact blob failed: {exc}",
+                            source_id=info.id, kinds=tuple(aset.kinds))
+    pull_seconds = time.perf_counter() - t0
+    blob = got.get(BLOB)
+    out = ArtifactPull("installed", source_id=info.id, kinds=tuple(aset.kinds),
+                       pull_seconds=pull_seconds, transport=result.transport)
+    try:
+        if blob is None:
+            raise ArtifactRefusedError(f"the source's manifest has no {BLOB!r} tensor")
+        import numpy as np
+
+        raw = memoryview(np.ascontiguousarray(blob.cpu().numpy())).cast("B")
+        mine = mapping(aset) if callable(mapping) else mapping
+        installed = install_set(aset, raw, roots, mine)
+    except ArtifactRefusedError as exc:
+        out.outcome, out.reason = "refused", str(exc)
+        log.warning("artifacts: refused the set of source %s: %s", info.id, exc)
+        return out
+    except MxError as exc:
+        out.outcome, out.reason = "error", str(exc)
+        return out
+    out.install = installed
+    out.install_seconds = installed.seconds
+    out.files, out.bytes = installed.files, installed.bytes
+    if installed.outcome == "present":
+        out.outcome, out.reason = "present", installed.reason
+    return out
