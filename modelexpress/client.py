@@ -513,6 +513,23 @@ class MxClient(ClosedOnCollect):
         return _reply(TransferInfo, self._request(
             "POST", f"/v1/transfers/{transfer_id}/restart"))
 
+    # --- compiled artifacts --------------------------------------------------------
+    def report_artifact_outcome(self, identity_id: str, kind: str, outcome: str, *,
+                                compiled: bool | None = None, worker_id: str | None = None,
+                                source_id: str | None = None, detail: str = "") -> None:
+        """Tell the control plane what an engine did with compiled artifacts (its
+        ``/metrics`` counts them: ``mx_artifacts_total{kind,outcome}``).
+
+        Raises:
+            ValidationError: a value out of range (outcome not one of hit, miss, refused,
+                present, off, error).
+            NotFoundError: a server older than API version 2 (no such route).
+        """
+        self._request("POST", "/v1/artifacts/outcomes", json={
+            "identity_id": identity_id, "kind": kind, "outcome": outcome,
+            "compiled": compiled, "worker_id": worker_id, "source_id": source_id,
+            "detail": detail[:1024]}, idempotent=False)
+
     # --- agents ------------------------------------------------------------------
     def register_agent(self, agent_id: str, *, endpoint: str = "",
                        labels: dict[str, str] | None = None) -> AgentInfo:

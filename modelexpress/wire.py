@@ -78,7 +78,8 @@ API_VERSIONS: dict[int, str] = {
     1: "the API before versions were exchanged (no X-MX-API-Version header; modelexpress "
        "up to commit fb298dc)",
     2: "X-MX-API-Version on every request and response; health reports the server's API "
-       "range; a source record names its GPUs by UUID (devices)",
+       "range; a source record names its GPUs by UUID (devices); engines report "
+       "compiled-artifact outcomes (POST /v1/artifacts/outcomes)",
 }
 """What each API version added (the upgrade notes a version mismatch points at)."""
 

@@ -65,7 +65,8 @@ from modelexpress.errors import (
 )
 from modelexpress.server.metrics import CONTENT_TYPE, Metrics
 from modelexpress.server.models import (
-    AgentOut, AgentRegister, AssignmentsOut, ErrorOut, FinishIn, HealthOut, HeartbeatIn,
+    AgentOut, AgentRegister, ArtifactOutcomeIn, AssignmentsOut, ErrorOut, FinishIn, HealthOut,
+    HeartbeatIn,
     ProgressIn, ProgressOut, SourceDetail, SourceOut, SourcePublish, TransferCreate,
     TransferOut, MAX_METADATA_B64,
 )
@@ -416,6 +417,16 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
         outcome = dataclasses.asdict(body.outcome) if body.outcome is not None else None
         return cp.finish(transfer_id, TransferState(body.state), body.error, body.bytes_done,
                          outcome)
+
+    @app.post("/v1/artifacts/outcomes", status_code=204, tags=["artifacts"])
+    def artifact_outcome(body: ArtifactOutcomeIn) -> Response:
+        """An engine's compiled-artifact outcome: counted in ``/metrics``
+        (``mx_artifacts_total{kind,outcome}``, ``mx_artifacts_compiled_anyway_total``)."""
+        metrics.artifact_outcome(body.kind, body.outcome, body.compiled)
+        log.info("artifacts %s for identity %s (%s, worker %s%s): %s", body.outcome,
+                 body.identity_id, body.kind, body.worker_id or "?",
+                 ", compiled anyway" if body.compiled else "", body.detail[:200])
+        return Response(status_code=204)
 
     @app.post("/v1/transfers/{transfer_id}/stop", response_model=TransferOut,
               tags=["transfers"])

@@ -93,6 +93,15 @@ class Metrics:
             "mx_transfer_total_seconds", "Seconds from a pull's start to its end (control "
             "plane, connection, data plane, verification).", ["transport"],
             buckets=_TRANSFER_BUCKETS, registry=self.registry)
+        self.artifacts = Counter(
+            "mx_artifacts", "What engines did with compiled artifacts, per kind: hit (used), "
+            "miss (none served, or installed and not used), refused (signature, digest or "
+            "path), present (an own cache), off, error.", ["kind", "outcome"],
+            registry=self.registry)
+        self.artifacts_compiled = Counter(
+            "mx_artifacts_compiled_anyway", "Engines that installed compiled artifacts and "
+            "still compiled (vLLM rejected the cache or rebuilt part of it).", ["kind"],
+            registry=self.registry)
         self._transports: set[str] = set()
         self._lock = threading.Lock()
 
@@ -125,6 +134,12 @@ class Metrics:
             self.data_plane.labels(transport).observe(outcome.get("data_plane_s") or 0.0)
             if outcome.get("total_s") is not None:
                 self.total.labels(transport).observe(outcome["total_s"])
+
+    def artifact_outcome(self, kind: str, outcome: str, compiled: bool | None) -> None:
+        """Count one engine's compiled-artifact outcome (``POST /v1/artifacts/outcomes``)."""
+        self.artifacts.labels(kind, outcome).inc()
+        if compiled and outcome in ("hit", "miss"):
+            self.artifacts_compiled.labels(kind).inc()
 
     def render(self) -> bytes:
         """The exposition text."""

@@ -165,6 +165,18 @@ class FinishIn(_Model):
                           "seconds); the server stores it and exports it in /metrics.")
 
 
+class ArtifactOutcomeIn(_Model):
+    """``POST /v1/artifacts/outcomes``: what an engine did with compiled artifacts."""
+
+    identity_id: IdentityId
+    kind: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+    outcome: Literal["hit", "miss", "refused", "present", "off", "error"]
+    compiled: bool | None = Field(None, description="The engine compiled anyway.")
+    worker_id: WorkerId | None = None
+    source_id: EntityId | None = None
+    detail: Text = ""
+
+
 class AgentRegister(_Model):
     """``PUT /v1/agents/{id}``: a worker that executes REST-started transfers."""
 
