@@ -69,6 +69,7 @@ from modelexpress.settings import MxSettings
 
 from modelexpress.engines.vllm import compat as _compat
 from modelexpress.engines.vllm import probe as _probe
+from modelexpress.engines.vllm.artifacts import ArtifactStep
 from modelexpress.engines.vllm.identity import identity_from_vllm
 from modelexpress.engines.vllm.options import LoaderOptions, split_extra_config
 from modelexpress.engines.vllm.tensors import collect_loaded_tensors
@@ -102,6 +103,9 @@ class LoadReport:
         post_process_seconds: vLLM's ``process_weights_after_loading``.
         probe_seconds: computing the probe.
         seconds: wall time of the whole load, serving excluded.
+        artifacts: the :class:`~modelexpress.engines.vllm.artifacts.ArtifactReport` of
+            this rank's compiled artifacts (its outcome is final once vLLM compiled:
+            ``artifacts.done`` is set).
     """
 
     identity: ModelIdentity
@@ -117,6 +121,7 @@ class LoadReport:
     post_process_seconds: float = 0.0
     probe_seconds: float = 0.0
     seconds: float = 0.0
+    artifacts: Any = None
 
 
 @dataclasses.dataclass
@@ -221,6 +226,19 @@ class MxModelLoader(BaseModelLoader):
         report.serving = self._maybe_serve(model, identity, report, loaded, arena)
         if not report.serving and self._nixl is not None:
             self._nixl.close()  # nothing serves: no idle agent for the process's lifetime
+            self._nixl = None
+        # Compiled artifacts: pulled now (vLLM compiles after load_model returns), served
+        # once vLLM has compiled; the step lives as long as the model.
+        try:
+            step = ArtifactStep(self.options, self._client, self._manager, vllm_config, model,
+                                identity, device, pulled_weights=report.source == "peer")
+        except Exception as exc:  # noqa: BLE001 - artifacts are an extra; the engine compiles
+            logger.warning("modelexpress: compiled artifacts skipped (%s: %s); vLLM compiles "
+                           "as usual", type(exc).__name__, exc,
+                           exc_info=not isinstance(exc, MxError))
+        else:
+            weakref.finalize(model, step.close)
+            report.artifacts = step.report
         self.last_report = report
         logger.info("modelexpress: %s rank %d loaded from %s in %.2f s (weights %.3f s, "
                     "post-processing %.3f s, probe %.3f s)%s%s", model_config.model,

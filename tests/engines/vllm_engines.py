@@ -9,7 +9,8 @@ own process group, logging to a file, and always cleans up: ``stop()`` escalates
 to SIGKILL of the group and of every descendant it saw, and an ``atexit`` hook
 kills whatever a crashed test left running.
 
-Defaults every engine gets (``env`` / ``extra_args`` override them): eager mode,
+Defaults every engine gets (``env`` / ``extra_args`` override them): eager mode
+(``enforce_eager=False``: vLLM's default compilation),
 float32, a 256-token context, a 1 GiB KV cache, offline Hugging Face, and an
 OpenMP binding that lets two engines share this project's 2-core CI machines
 (:func:`omp_threads_bind`).
@@ -166,12 +167,15 @@ class Engine:
         extra_args: more command-line arguments; a ``--dtype`` here replaces
             the default ``--dtype float32``.
         tensor_parallel_size: ``--tensor-parallel-size``.
+        enforce_eager: ``--enforce-eager`` (the default here: fast to start); False runs
+            vLLM's default compilation, as users run it (``VLLM_CACHE_ROOT`` in ``env``
+            keeps each engine's compile cache apart).
     """
 
     def __init__(self, model_dir: str | os.PathLike[str], *, name: str, log_dir: pathlib.Path,
                  load_format: str = "auto", port: int | None = None,
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, enforce_eager: bool = True) -> None:
         self.model_dir = pathlib.Path(model_dir)
         self.name = name
         self.port = port if port is not None else free_port()
@@ -181,6 +185,7 @@ class Engine:
         self.log_path = log_dir / f"vllm-{name}-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.tensor_parallel_size = tensor_parallel_size
+        self.enforce_eager = enforce_eager
         self.args = self._command(load_format, extra_args)
         self.env = self._environment(env)
         self._started_at: float | None = None
@@ -195,7 +200,9 @@ class Engine:
                 "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
                 "--load-format", load_format,
                 "--tensor-parallel-size", str(self.tensor_parallel_size),
-                "--enforce-eager", "--max-model-len", "256"]
+                "--max-model-len", "256"]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
         if not any(a == "--dtype" or a.startswith("--dtype=") for a in extra_args):
             args += ["--dtype", "float32"]
         # argparse keeps the last occurrence, so extra_args override the defaults.

@@ -259,4 +259,12 @@ class LlmEngine:
             if found:
                 out[key] = float(found.group(1))
         out["compiled_graph_loaded_from_cache"] = "Directly load the compiled graph" in log
+        out["aot_loaded_from_cache"] = "Directly load AOT compilation" in log
+        m = re.search(r"compiled artifacts (hit|miss|refused|present)", log)
+        out["artifacts"] = m.group(1) if m else None
+        m = re.search(r"installed (\d+) compiled-artifact files \(([\d.]+) MB\).* over (\S+) in "
+                      r"([\d.]+) s", log)
+        if m:
+            out.update(artifact_files=int(m.group(1)), artifact_mb=float(m.group(2)),
+                       artifact_transport=m.group(3), artifact_s=float(m.group(4)))
         return out

@@ -1,0 +1,306 @@
+"""The loader's compiled-artifact step: pull before vLLM compiles, serve once it has.
+
+Called by :class:`~modelexpress.engines.vllm.loader.MxModelLoader` at the end of
+``load_model`` (weights loaded, vLLM about to compile)::
+
+    key <- MX_ARTIFACT_KEY                    none: "off", said once
+    layout, facts, identity <- compile_cache  (where the cache is, what must match)
+    target:  own rank dir present?  -> "present" (never mixed with a pulled one)
+             else pull_artifacts   -> installed | miss | refused | error
+    observer attached: vLLM's compilation log records + inductor's cache counters
+    background thread, once vLLM says compiling ended:
+             installed -> verdict hit | miss, and whether vLLM compiled anyway
+             serve: cache quiet for MX_ARTIFACT_SETTLE_S -> pack, sign, publish
+
+Every outcome is in :class:`ArtifactReport` (``LoadReport.artifacts``), one INFO (or
+WARNING) line, and the control plane's ``/metrics`` (reported with
+``POST /v1/artifacts/outcomes``): ``mx_artifacts_total{kind,outcome}`` and
+``mx_artifacts_compiled_anyway_total{kind}``. (Not the engine's own ``/metrics``: a
+single-API-server vLLM does not aggregate its worker processes' metrics.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from modelexpress.artifacts import ArtifactKey, pack_files, pull_artifacts, serve_packed
+from modelexpress.errors import ConflictError, MxError
+
+from modelexpress.engines.vllm import compile_cache as cc
+
+if TYPE_CHECKING:
+    from torch import nn
+    from vllm.config import VllmConfig
+
+    from modelexpress.identity import ModelIdentity
+
+__all__ = ["ArtifactReport", "ArtifactStep"]
+
+log = logging.getLogger(__name__)
+
+_COMPILE_DEADLINE_S = 3600.0
+_DRIFT = "config_drift"  # the set's fact: config fields vLLM set between load and compile
+_said_off = False
+_said_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class ArtifactReport:
+    """What happened to this rank's compiled artifacts (updated once vLLM compiled).
+
+    Attributes:
+        outcome: ``hit``, ``miss``, ``refused``, ``present``, ``off``, ``error``, or
+            ``installed`` until vLLM's compilation ends and says whether it used them.
+        kind: the artifact kind (``vllm_compile``).
+        reason: one line: why, or what vLLM did.
+        compiled: vLLM compiled anyway (None until known; False for an AOT load).
+        source_id: the artifact source installed from (or refused).
+        files, bytes: what was installed.
+        seconds: the artifact pull and install.
+        transport: how the blob came (``local``, ``cma``, ...).
+        serving: this engine publishes its own artifacts (source id once published).
+        identity_id: the artifact identity.
+    """
+
+    outcome: str = "off"
+    kind: str = cc.KIND
+    reason: str = ""
+    compiled: bool | None = None
+    source_id: str | None = None
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    transport: str = ""
+    serving: str | None = None
+    identity_id: str | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+
+
+class ArtifactStep:
+    """One rank's artifact work; keep it alive as long as the model (it serves).
+
+    Args:
+        options: the loader's :class:`~modelexpress.engines.vllm.options.LoaderOptions`.
+        client: makes a control-plane client (the loader's).
+        manager: returns the loader's NIXL manager, or None (one is made when needed).
+        vllm_config, model, identity, device: the engine being loaded.
+        pulled_weights: the weights came from a peer (serving then follows
+            ``serve_after_pull``, as for weights).
+    """
+
+    def __init__(self, options: Any, client: Callable[[], Any], manager: Callable[[], Any],
+                 vllm_config: "VllmConfig", model: "nn.Module", identity: "ModelIdentity",
+                 device: Any, *, pulled_weights: bool) -> None:
+        self.report = ArtifactReport()
+        self._options = options
+        self._new_client = client
+        self._manager = manager
+        self._handle: Any = None
+        self._client: Any = None
+        self._closed = False
+        settings = options.settings
+        self._settle_s = settings.artifact_settle_s
+        disabled = cc.compile_disabled_reason(vllm_config)
+        if disabled is not None:
+            self.report.reason = f"no compile cache: {disabled}"
+            log.info("modelexpress: compiled artifacts not applicable: %s", self.report.reason)
+            self.report.done.set()
+            return
+        try:
+            key = ArtifactKey.from_setting(settings.artifact_key.get_secret_value()
+                                           if settings.artifact_key else None)
+        except MxError as exc:
+            self._finish("error", str(exc))
+            return
+        if key is None:
+            self._say_off_once()
+            self.report.reason = "no MX_ARTIFACT_KEY"
+            self.report.done.set()
+            return
+        self._key = key
+        self._vllm_config = vllm_config  # not the model: the step must not keep it alive
+        self._installed_dirs: list[str] | None = None
+        self._files_before: set[str] = set()
+        self.layout = cc.layout_of(vllm_config, model)
+        self.facts = cc.platform_facts(device)
+        self.identity = cc.artifact_identity(identity, self.layout, self.facts)
+        self.report.identity_id = self.identity.id
+        self._observer = cc.CompileObserver().attach()
+        self._serve = options.serve_after_pull if pulled_weights else options.serve
+        if options.pull:
+            self._pull()
+        else:
+            self.report.outcome, self.report.reason = "miss", "pull disabled (mx_pull=false)"
+        threading.Thread(target=self._after_compile, daemon=True,
+                         name=f"mx-artifacts-r{identity.rank}").start()
+
+    # --- target -------------------------------------------------------------------------
+    def _pull(self) -> None:
+        def mapping(aset: Any) -> dict[str, str]:
+            # the source's config drift applied: the directory vLLM will compute here
+            drift = json.loads(aset.facts.get(_DRIFT, "{}") or "{}")
+            prefixes = self.layout.prefixes(self._vllm_config, drift)
+            self._installed_dirs = [str(self.layout.cache_root / p) for p in prefixes.values()]
+            return prefixes
+
+        t0 = time.perf_counter()
+        with self._new_client() as client:
+            result = pull_artifacts(self.identity, key=self._key, client=client,
+                                    options=self._options.pull_options,
+                                    roots=self.layout.roots, mapping=mapping,
+                                    manager=self._manager(), check_facts=self.facts)
+        r = self.report
+        r.seconds = time.perf_counter() - t0
+        r.outcome, r.reason, r.source_id = result.outcome, result.reason, result.source_id
+        r.files, r.bytes, r.transport = result.files, result.bytes, result.transport
+        if result.outcome == "installed":
+            # ORDER: before vLLM compiles (load_model has not returned): what it writes
+            # from here on is what it did not find in the pulled cache
+            self._files_before = cc.cache_files(
+                [pathlib.Path(d) for d in self._installed_dirs or []])
+            log.info("modelexpress: installed %d compiled-artifact files (%.1f MB) for rank %d "
+                     "from source %s over %s in %.3f s (pull %.3f s, verify+install %.3f s)",
+                     result.files, result.bytes / 1e6, self.identity.rank, result.source_id,
+                     result.transport, r.seconds, result.pull_seconds, result.install_seconds)
+        elif result.outcome in ("refused", "error"):
+            log.warning("modelexpress: compiled artifacts %s: %s; vLLM compiles as usual",
+                        result.outcome, result.reason)
+            self._count(result.outcome)
+        else:
+            log.info("modelexpress: compiled artifacts %s: %s", result.outcome, result.reason)
+            self._count(result.outcome)
+
+    # --- after vLLM compiled ------------------------------------------------------------
+    def _after_compile(self) -> None:
+        events = self._observer.wait(_COMPILE_DEADLINE_S)
+        self._observer.detach()
+        if events is None:
+            log.warning("modelexpress: vLLM did not report the end of its compilation within "
+                        "%.0f s; compiled artifacts neither judged nor served",
+                        _COMPILE_DEADLINE_S)
+            self.report.done.set()
+            return
+        r = self.report
+        r.compiled = bool(events.aot_saved or events.compiled)
+        if r.outcome == "installed":
+            dirs = self._installed_dirs or []
+            new = cc.cache_files([pathlib.Path(d) for d in dirs]) - self._files_before
+            kernels, entries = cc.split_new_files(new)
+            outcome, r.compiled, detail = events.verdict(dirs, kernels, entries)
+            self._finish(outcome, detail)
+        elif r.outcome == "present":
+            self._count("present")
+        if self._serve and r.outcome != "refused" and not self._closed:
+            self._publish(events)
+        r.done.set()
+
+    def _finish(self, outcome: str, reason: str) -> None:
+        r = self.report
+        r.outcome, r.reason = outcome, reason
+        self._count(outcome)
+        logf = log.info if outcome == "hit" else log.warning
+        logf("modelexpress: compiled artifacts %s for %s: %s%s", outcome,
+             getattr(self, "identity", None) and self.identity.id, reason,
+             "" if r.compiled is None else f" (compiled anyway: {'yes' if r.compiled else 'no'})")
+
+    def _publish(self, events: Any) -> None:
+        drift, other = cc.config_drift(self.layout.snapshot, self._vllm_config)
+        # what a target computes: its load-time config with the plain drift applied,
+        # i.e. ours now with the other changed fields as they were at load time
+        prefixes = self.layout.prefixes(self._vllm_config, other)
+        expected = sorted(str(self.layout.cache_root / p) for p in prefixes.values())
+        if self.layout.aot and sorted(events.dirs) != expected:
+            # vLLM compiled elsewhere than compile_cache computes: a peer would install
+            # where its vLLM does not look. Say so instead of serving.
+            log.warning("modelexpress: vLLM's compile cache is at %s, not at %s as a peer "
+                        "would compute it (vLLM %s; config fields changed since load: %s); "
+                        "not serving compiled artifacts",
+                        ", ".join(events.dirs) or "(not reported)", ", ".join(expected),
+                        self.facts.get("vllm"), ", ".join(sorted([*drift, *other])) or "none")
+            return
+        paths = self.layout.rank_paths(prefixes)
+        if not cc.quiet_for(paths, self._settle_s, _COMPILE_DEADLINE_S):
+            log.warning("modelexpress: the compile cache kept changing; not serving artifacts")
+            return
+        missing = [p for p in paths if not p.is_dir()]
+        if missing:
+            log.warning("modelexpress: no compile cache at %s; not serving compiled artifacts",
+                        missing[0])
+            return
+        facts = {**self.facts, _DRIFT: json.dumps(drift, sort_keys=True)}
+        try:
+            aset, buf = pack_files(self.layout.roots, self.layout.source_dirs(prefixes),
+                                   units=self.layout.units(prefixes),
+                                   prefixes={path: name for name, path in prefixes.items()},
+                                   facts=facts, name="mx-vllm-artifacts")
+            from modelexpress.local import LocalOptions
+
+            settings = self._options.settings
+            self._client = self._new_client()
+            self._handle = serve_packed(
+                self.identity, aset, buf, key=self._key, client=self._client,
+                local=LocalOptions.from_settings(settings), manager=self._manager(),
+                backend=settings.nixl_backend, heartbeat_interval_s=settings.heartbeat_interval_s,
+                guardian=True)
+        except ConflictError:
+            # Compiling is not byte-for-byte reproducible: an engine that compiled for
+            # itself holds other bytes than the source already serving this identity.
+            log.info("modelexpress: not serving compiled artifacts: another engine already "
+                     "serves this artifact identity with other bytes (each compiled its own)")
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            return
+        except MxError as exc:
+            log.warning("modelexpress: could not serve compiled artifacts: %s", exc)
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            return
+        self.report.serving = self._handle.source_id
+        log.info("modelexpress: serving compiled artifacts of rank %d (%d files, %.1f MB) as "
+                 "source %s", self.identity.rank, len(aset.files), aset.total_bytes / 1e6,
+                 self._handle.source_id)
+
+    def _count(self, outcome: str) -> None:
+        """Report the outcome to the control plane (its /metrics counts it)."""
+        r = self.report
+        if r.identity_id is None:
+            return
+        try:
+            with self._new_client() as client:
+                client.report_artifact_outcome(r.identity_id, r.kind, outcome,
+                                               compiled=r.compiled, source_id=r.source_id,
+                                               detail=r.reason)
+        except MxError as exc:
+            log.warning("modelexpress: could not report the compiled-artifact outcome to the "
+                        "control plane: %s", exc)
+
+    @staticmethod
+    def _say_off_once() -> None:
+        global _said_off
+        with _said_lock:
+            if _said_off:
+                return
+            _said_off = True
+        log.info("modelexpress: compiled artifacts are off (set MX_ARTIFACT_KEY on sources "
+                 "and targets to move vLLM's compile cache with the weights)")
+
+    def close(self) -> None:
+        """Withdraw the artifact source (if serving). Idempotent."""
+        self._closed = True
+        if self._handle is not None:
+            try:
+                self._handle.close()
+            finally:
+                self._handle = None
+                if self._client is not None:
+                    self._client.close()
+                    self._client = None

@@ -1,0 +1,524 @@
+"""vLLM's compile cache, as the artifact exchange needs it: where it is, what must match,
+and whether the engine used it.
+
+Where vLLM keeps what it compiled (vLLM 0.32, torch >= 2.10: AOT compilation on by
+default)::
+
+    $VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<H>/
+        inductor_cache/...        inductor's generated C++/Triton and built .so files,
+                                  content-addressed, shared by the ranks of a node
+        rank_<r>_<dp>/model       the AOT-compiled forward of rank r
+
+``H`` is sha256 over vLLM's ``aot_compile_hash_factors`` (environment, the whole
+``VllmConfig.compute_hash()``) and the compiled class's ``forward`` (vLLM version,
+qualname, first line). ``VllmConfig.compute_hash()`` covers the model config's fields
+except the tokenizer and served name, and so the checkpoint's *path* (``model``) but
+not the architecture it describes: two engines that load one checkpoint from two
+paths compile the same code into two directories, and two checkpoints with different
+architectures at one path would share one. So artifacts are not matched by ``H``:
+:func:`compile_key` is the same hash with the path left out and the architecture
+(``hf_config``) put in, and each side names its own ``<H>`` directory by the compiled
+class (``aot:LlamaModel.forward``); the target installs the source's files under its
+own ``<H>`` (``ArtifactSet.prefixes``).
+
+Without AOT (``VLLM_USE_AOT_COMPILE=0``) vLLM's directory hash covers the traced source
+files' paths and contents, known only once Dynamo has traced; there both sides set
+``compilation_config.cache_dir`` to ``torch_compile_cache/mx-<compile key>`` before
+compiling (vLLM uses a preset ``cache_dir`` as it is), unless the operator set one.
+
+Whether the engine used the files is observed, not assumed: :class:`CompileObserver`
+reads vLLM's own compilation log records (AOT loaded, AOT load failed and compiled
+again, compiled and saved, and the directory each names), and the target compares
+the cache directory before and after: a kernel file the engine wrote is a kernel it
+did not find in the pulled cache.
+
+Every vLLM name this feature touches is in this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import pathlib
+import platform
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from modelexpress.artifacts import InstallUnit
+from modelexpress.identity import ModelIdentity
+
+if TYPE_CHECKING:
+    from torch import nn
+    from vllm.config import VllmConfig
+
+__all__ = ["KIND", "TRITON_KIND", "CompileLayout", "CompileObserver", "artifact_identity",
+           "compile_disabled_reason", "config_drift", "config_snapshot", "layout_of",
+           "platform_facts"]
+
+log = logging.getLogger(__name__)
+
+KIND = "vllm_compile"
+"""Artifact kind of files under ``VLLM_CACHE_ROOT``."""
+TRITON_KIND = "triton"
+"""Artifact kind of files under Triton's own cache (``TRITON_CACHE_DIR``) when it lies
+outside vLLM's directory (Triton kernels of vLLM's own ops, not inductor's)."""
+_COMPILE_LOGGER = "vllm.compilation"
+
+
+def compile_disabled_reason(vllm_config: "VllmConfig") -> str | None:
+    """Why this engine has no compile cache to share or use; None when it has one."""
+    from vllm import envs
+    from vllm.config import CompilationMode
+
+    # NONE is eager; every other mode (VLLM_COMPILE on GPUs, DYNAMO_TRACE_ONCE on the
+    # CPU build) runs inductor and writes the cache.
+    mode = vllm_config.compilation_config.mode
+    if mode == CompilationMode.NONE:
+        return "compilation mode is NONE (enforce_eager or -O0)"
+    if envs.VLLM_DISABLE_COMPILE_CACHE:
+        return "VLLM_DISABLE_COMPILE_CACHE=1"
+    return None
+
+
+@dataclasses.dataclass
+class CompileLayout:
+    """Where this engine's compile cache is and what names it.
+
+    Attributes:
+        cache_root: ``VLLM_CACHE_ROOT``.
+        aot: vLLM compiles ahead of time (``VLLM_USE_AOT_COMPILE``).
+        rank_dir: ``rank_<r>_<dp>``: this rank's part inside each directory.
+        key: :func:`compile_key` (path-independent).
+        snapshot: the config's simple fields at load time (see :func:`config_drift`).
+        modules: ``(qualname, forward key)`` of each module vLLM compiles.
+        backend_prefix: without AOT, the ``cache_dir`` both sides compile into.
+        triton_dir: Triton's cache directory when it is outside ``cache_root``, else None.
+    """
+
+    cache_root: pathlib.Path
+    aot: bool
+    rank_dir: str
+    key: str
+    snapshot: dict[str, Any]
+    modules: tuple[tuple[str, str], ...] = ()
+    backend_prefix: str = ""
+    triton_dir: pathlib.Path | None = None
+
+    @property
+    def roots(self) -> dict[str, pathlib.Path]:
+        roots = {KIND: self.cache_root}
+        if self.triton_dir is not None:
+            roots[TRITON_KIND] = self.triton_dir
+        return roots
+
+    def prefixes(self, vllm_config: "VllmConfig",
+                 drift: dict[str, Any] | None = None) -> dict[str, str]:
+        """Symbolic name -> the directory (relative to the root) vLLM compiles into, with
+        ``drift`` (a source's :func:`config_drift`) applied to the config for the hash."""
+        if not self.aot:
+            return {"backend": self.backend_prefix}
+        with _config_values(vllm_config, drift or {}):
+            factors = _aot_factors(vllm_config)
+        out = {}
+        for qualname, forward_key in self.modules:
+            h = hashlib.sha256(str(factors + [forward_key]).encode()).hexdigest()
+            out[f"aot:{qualname}"] = f"torch_compile_cache/torch_aot_compile/{h}"
+        return out
+
+    def source_dirs(self, prefixes: dict[str, str]) -> list[tuple[str, str]]:
+        """The directories a source packs: each prefix's shared part and this rank's."""
+        dirs = []
+        for prefix in prefixes.values():
+            dirs.append((KIND, f"{prefix}/{self.rank_dir}"))
+            if self.aot:
+                dirs.append((KIND, f"{prefix}/inductor_cache"))
+        if self.triton_dir is not None:
+            dirs.append((TRITON_KIND, "."))
+        return dirs
+
+    def units(self, prefixes: dict[str, str]) -> list[InstallUnit]:
+        """The rank directories: installed whole, and a present one means "own cache"."""
+        return [InstallUnit(KIND, f"{p}/{self.rank_dir}", exclusive=True)
+                for p in prefixes.values()]
+
+    def rank_paths(self, prefixes: dict[str, str]) -> list[pathlib.Path]:
+        return [self.cache_root / p / self.rank_dir for p in prefixes.values()]
+
+
+_SIMPLE = (str, int, float, bool, type(None))
+
+
+def _config_fields(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """``sub.field -> value`` of every sub-config that has a hash, all fields."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(vllm_config):
+        sub = getattr(vllm_config, f.name, None)
+        if sub is None or not hasattr(sub, "compute_hash") or not dataclasses.is_dataclass(sub):
+            continue
+        for g in dataclasses.fields(sub):
+            out[f"{f.name}.{g.name}"] = getattr(sub, g.name, None)
+    return out
+
+
+def config_snapshot(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """The config's fields now (shallow copies), to compare with later (:func:`config_drift`)."""
+    return {k: (v if isinstance(v, _SIMPLE) else copy.copy(v))
+            for k, v in _config_fields(vllm_config).items()}
+
+
+def config_drift(before: dict[str, Any], vllm_config: "VllmConfig"
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What vLLM changed in the config between ``before`` and now, as ``(simple, other)``.
+
+    vLLM resolves some fields after the model is loaded and before it compiles (0.32:
+    the KV cache layout, agreed by the engine core with every worker), and its compile
+    hash covers them. The source sees the drift (its load-time snapshot against the
+    config when compiling ended) and publishes the plain-valued part; a target applies
+    it while it computes its own directory. ``other``: the changed fields whose values
+    are not plain, with their load-time values (a target cannot apply those, so the
+    source checks, with them put back, that its directory does not depend on them).
+    """
+    simple, other = {}, {}
+    for key, value in _config_fields(vllm_config).items():
+        old = before.get(key)
+        try:
+            same = old == value
+        except Exception:  # noqa: BLE001 - an exotic __eq__; treat as changed
+            same = False
+        if key in before and not same:
+            if isinstance(value, _SIMPLE) and isinstance(old, _SIMPLE):
+                simple[key] = value
+            else:
+                other[key] = old
+    return simple, other
+
+
+@contextlib.contextmanager
+def _config_values(vllm_config: "VllmConfig", values: dict[str, Any]) -> Iterator[None]:
+    """The config with ``values`` set (``sub.field``) for the duration; restored after.
+
+    ORDER: runs on the loading thread before the engine compiles; restored before
+    anything else reads the config."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for key, value in values.items():
+            sub_name, _, name = key.partition(".")
+            sub = getattr(vllm_config, sub_name, None)
+            if sub is None or not hasattr(sub, name):
+                continue
+            saved.append((sub, name, getattr(sub, name)))
+            object.__setattr__(sub, name, value)
+        yield
+    finally:
+        for sub, name, value in reversed(saved):
+            object.__setattr__(sub, name, value)
+
+
+def _compiled_modules(model: "nn.Module") -> list["nn.Module"]:
+    """The submodules vLLM compiles (classes under ``@support_torch_compile``)."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    return [m for m in model.modules()
+            if isinstance(m, TorchCompileWithNoGuardsWrapper)
+            and not getattr(m, "do_not_compile", False)]
+
+
+def _forward_key(module: "nn.Module") -> str:
+    # the same three facts vLLM's decorators._model_hash_key hashes
+    import vllm
+
+    fn = module.forward
+    h = hashlib.sha256()
+    h.update(vllm.__version__.encode())
+    h.update(fn.__qualname__.encode())
+    h.update(str(fn.__code__.co_firstlineno).encode())
+    return h.hexdigest()
+
+
+def _aot_factors(vllm_config: "VllmConfig") -> list[str]:
+    from vllm.compilation.caching import aot_compile_hash_factors
+
+    return list(aot_compile_hash_factors(vllm_config))
+
+
+def _neutral_factors(vllm_config: "VllmConfig") -> list[str]:
+    """vLLM's AOT factors computed with the checkpoint's path left out."""
+    model_config = vllm_config.model_config
+    path = model_config.model
+    # compute_hash reads model_config.model; set a constant for the one call. ORDER:
+    # restored before anything else can read it (this runs on the loading thread,
+    # before the engine compiles or serves).
+    object.__setattr__(model_config, "model", "<modelexpress: path-independent>")
+    try:
+        return _aot_factors(vllm_config)
+    finally:
+        object.__setattr__(model_config, "model", path)
+
+
+def _architecture(vllm_config: "VllmConfig") -> str:
+    """The HF config (the architecture the path stood for), without path-like fields."""
+    hf = vllm_config.model_config.hf_config
+    data = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+    clean = {k: v for k, v in data.items() if not str(k).startswith("_")}
+    return json.dumps(clean, sort_keys=True, default=str)
+
+
+def compile_key(vllm_config: "VllmConfig", model: "nn.Module") -> str:
+    """What the compiled code depends on, without where the checkpoint lives."""
+    # str() of the list, as vLLM hashes its factors (some are bytes: inductor's).
+    parts = [_neutral_factors(vllm_config), _architecture(vllm_config),
+             sorted(_forward_key(m) for m in _compiled_modules(model))]
+    return hashlib.sha256(str(parts).encode()).hexdigest()
+
+
+def layout_of(vllm_config: "VllmConfig", model: "nn.Module") -> CompileLayout:
+    """This engine's compile-cache layout (computed before vLLM compiles).
+
+    Without AOT this also sets ``compilation_config.cache_dir`` (unless the operator
+    did) so that source and target compile into the same, path-independent directory.
+    """
+    from vllm import envs
+
+    root = pathlib.Path(envs.VLLM_CACHE_ROOT)
+    parallel = vllm_config.parallel_config
+    rank_dir = f"rank_{parallel.rank}_{getattr(parallel, 'data_parallel_index', 0)}"
+    key = compile_key(vllm_config, model)
+    backend = ""
+    if not envs.VLLM_USE_AOT_COMPILE:
+        compilation = vllm_config.compilation_config
+        if not compilation.cache_dir:
+            compilation.cache_dir = str(root / "torch_compile_cache" / f"mx-{key[:16]}")
+        cache_dir = pathlib.Path(compilation.cache_dir)
+        if cache_dir.is_relative_to(root):
+            backend = cache_dir.relative_to(root).as_posix()
+        else:  # the operator's own directory: its parent is the root of this kind
+            root, backend = cache_dir.parent, cache_dir.name
+    return CompileLayout(cache_root=root, aot=bool(envs.VLLM_USE_AOT_COMPILE),
+                         rank_dir=rank_dir, key=key, snapshot=config_snapshot(vllm_config),
+                         modules=tuple((m.forward.__qualname__, _forward_key(m))
+                                       for m in _compiled_modules(model)),
+                         backend_prefix=backend, triton_dir=_triton_dir_outside(root))
+
+
+def _triton_dir_outside(root: pathlib.Path) -> pathlib.Path | None:
+    """Triton's cache when Triton is installed and its cache is not under ``root``."""
+    try:
+        importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None  # CPU engines compile C++; Triton's cache is not theirs
+    except ImportError:
+        return None
+    path = pathlib.Path(os.environ.get("TRITON_CACHE_DIR")
+                        or pathlib.Path.home() / ".triton" / "cache")
+    return None if path.is_relative_to(root) else path
+
+
+def platform_facts(device: Any) -> dict[str, str]:
+    """Software and device facts a compiled artifact is valid for."""
+    import torch
+    import vllm
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "none"
+
+    facts = {"vllm": vllm.__version__, "torch": torch.__version__,
+             "triton": version("triton"), "python": platform.python_version(),
+             "machine": platform.machine()}
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        facts["device"] = f"cuda:{props.name}:sm_{props.major}{props.minor}"
+        facts["cuda"] = str(torch.version.cuda)
+    else:
+        facts["device"] = f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    return facts
+
+
+def artifact_identity(weights: ModelIdentity, layout: CompileLayout,
+                      facts: dict[str, str]) -> ModelIdentity:
+    """The identity an artifact set is published and looked up under.
+
+    Everything that must match is in it (the compile key, software versions, device,
+    the layout and rank, the weights identity's engine facts), the checkpoint's path is
+    not: engines whose compiled code is the same share artifacts wherever their
+    checkpoints live.
+    """
+    weights_facts = hashlib.sha256(json.dumps(list(weights.extra)).encode()).hexdigest()[:16]
+    extra = {"artifacts": "vllm-compile-v1", "compile_key": layout.key,
+             "aot": str(layout.aot), "weights_facts": weights_facts, **facts}
+    return ModelIdentity(model="mx-artifacts/vllm-compile", revision="-",
+                         dtype=weights.dtype, quantization=weights.quantization,
+                         tp_size=weights.tp_size, pp_size=weights.pp_size,
+                         ep_size=weights.ep_size, rank=weights.rank,
+                         extra=tuple(extra.items()))
+
+
+# --- what the engine did ----------------------------------------------------------------
+@dataclasses.dataclass
+class CompileEvents:
+    """What vLLM logged about its compilation in this process (counts)."""
+
+    aot_loaded: int = 0
+    aot_load_failed: int = 0
+    aot_saved: int = 0
+    compiled: int = 0
+    graph_cache_loaded: int = 0
+    load_failure: str = ""
+    dirs: list[str] = dataclasses.field(default_factory=list)
+    done_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done_at is not None
+
+    def verdict(self, installed_dirs: list[str], new_kernels: int, new_entries: int
+                ) -> tuple[str, bool, str]:
+        """``(hit|miss, compiled, detail)`` for a target that installed artifacts.
+
+        Args:
+            installed_dirs: where they went (absolute).
+            new_kernels: kernel files (generated code, built ``.so``, cubins) the engine
+                wrote there while compiling: each is a kernel it did not find in the cache.
+            new_entries: other new cache entries (AOT-autograd's index), cheap to rebuild.
+        """
+        compiled = bool(self.aot_saved or self.compiled)
+        elsewhere = [d for d in self.dirs if d not in installed_dirs]
+        if elsewhere:
+            return ("miss", compiled, f"vLLM compiled into {elsewhere[0]}, the artifacts went "
+                    f"to {installed_dirs[0] if installed_dirs else '(nowhere)'}")
+        if self.aot_loaded and not compiled:
+            return "hit", False, "vLLM loaded the AOT-compiled model from the pulled cache"
+        if self.graph_cache_loaded and not new_kernels and not self.aot_saved:
+            return "hit", False, "vLLM loaded every compiled graph from the pulled cache"
+        why = (f"vLLM compiled again ({self.load_failure})" if self.load_failure
+               else "vLLM compiled")
+        if not new_kernels:
+            return ("hit", compiled, f"{why}, building no kernel: every one came from the "
+                    f"pulled cache ({new_entries} new index entries)")
+        return "miss", compiled, f"{why}, building {new_kernels} kernel file(s) itself"
+
+
+def cache_files(dirs: list[pathlib.Path]) -> set[str]:
+    """Every file under ``dirs`` (absolute paths), lock files left out."""
+    out = set()
+    for top in dirs:
+        for dirpath, dirnames, files in os.walk(top):
+            dirnames[:] = [d for d in dirnames if d != "locks"]
+            out.update(os.path.join(dirpath, f) for f in files)
+    return out
+
+
+def split_new_files(new: set[str]) -> tuple[int, int]:
+    """``(kernels, other entries)`` among newly written cache files: a rank directory's
+    AOT artifact and AOT-autograd's index entries are not kernels."""
+    kernels = sum(1 for f in new if "/aotautograd/" not in f and "/rank_" not in f)
+    return kernels, len(new) - kernels
+
+
+class CompileObserver(logging.Handler):
+    """Watches vLLM's compilation log records in this process; fires once compiling ends.
+
+    Attach it before vLLM compiles (the loader does, in ``load_model``); ``wait()``
+    returns the :class:`CompileEvents` once vLLM logged that its compilation ended (a
+    save, a load, or its "torch.compile took" line), or None at the deadline.
+    """
+
+    _MARKERS = (
+        ("Directly load AOT compilation", "aot_loaded"),
+        ("Compiling model again due to a load failure", "aot_load_failed"),
+        ("saved AOT compiled function", "aot_saved"),
+        ("torch.compile took", "compiled"),
+        ("torch.compile takes", "compiled"),
+        ("Directly load the compiled graph", "graph_cache_loaded"),
+    )
+    _ENDS = ("aot_saved", "compiled", "aot_loaded")
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.events = CompileEvents()
+        self._done = threading.Event()
+        self._logger = logging.getLogger(_COMPILE_LOGGER)
+
+    def attach(self) -> "CompileObserver":
+        self._logger.addHandler(self)
+        if self._logger.getEffectiveLevel() > logging.INFO:
+            self._logger.setLevel(logging.INFO)  # our markers are INFO records
+        return self
+
+    def detach(self) -> None:
+        self._logger.removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:  # noqa: D401 - logging API
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a handler must never raise into vLLM
+            return
+        found = _AOT_PATH.search(message)
+        if found:  # .../torch_aot_compile/<H>/rank_r_dp/model -> .../<H>
+            directory = str(pathlib.PurePosixPath(found.group(1)).parent.parent)
+            if directory not in self.events.dirs:
+                self.events.dirs.append(directory)
+        for marker, field in self._MARKERS:
+            if marker in message:
+                setattr(self.events, field, getattr(self.events, field) + 1)
+                if field == "aot_load_failed":
+                    self.events.load_failure = message.rsplit("reason:", 1)[-1].strip()[:200]
+                if field in self._ENDS:
+                    self.events.done_at = time.time()
+                    self._done.set()
+                return
+
+    def wait(self, timeout_s: float) -> CompileEvents | None:
+        return self.events if self._done.wait(timeout_s) else None
+
+
+_AOT_PATH = re.compile(r"(?:compiled function to|compilation from path|load failure from) "
+                       r"(\S+?/rank_\d+_\d+/\S+?)(?:,|\s|$)")
+
+
+def quiet_for(paths: list[pathlib.Path], settle_s: float, deadline_s: float) -> bool:
+    """Wait until no file under ``paths`` changed for ``settle_s``; False at the deadline."""
+    end = time.monotonic() + deadline_s
+    last = None
+    stable_since = time.monotonic()
+    while time.monotonic() < end:
+        snap = []
+        for top in paths:
+            for dirpath, _dirs, files in os.walk(top):
+                for name in files:
+                    try:
+                        st = os.lstat(os.path.join(dirpath, name))
+                    except OSError:
+                        continue
+                    snap.append((dirpath, name, st.st_size, st.st_mtime_ns))
+        snap.sort()
+        if snap != last:
+            last, stable_since = snap, time.monotonic()
+        elif time.monotonic() - stable_since >= settle_s:
+            return True
+        time.sleep(min(0.25, settle_s / 4))
+    return False
+
+
+def python_tag() -> str:
+    return f"cp{sys.version_info.major}{sys.version_info.minor}"
+

