@@ -8,10 +8,10 @@ mapping). Digests are checked one of two ways:
 
 * :class:`DigestsInPass` (xxh3, blake2b: hashes that stream): each tensor's part of a
   chunk goes to one thread, which reads it in pieces of :data:`_HOT_PIECE_BYTES` and
-  feeds each piece to the tensor's hasher while it is still in the CPU's cache. A
-  second pass over the landed bytes read them back from memory and cost the pull
-  about a third of a copy more on the CI machine (docs/benchmarks.md, "Local
-  transport on host memory").
+  feeds each piece to the tensor's hasher while it is still in the CPU's cache; a
+  second pass over the landed bytes reads them back from memory (``pread_n`` against
+  the pull in bench/local.py --host; docs/benchmarks.md, "Local transport on host
+  memory").
 * :class:`DigestsAlongside` (the others, e.g. ``wsum-i32-v1`` of a GPU source): each
   tensor's digest as soon as its last byte has landed, on its own threads, while the
   next chunks are copied::
@@ -100,8 +100,8 @@ def _prefault(addr: int, nbytes: int) -> None:
 
 
 def copy_threads() -> int:
-    """Threads a host copy uses: the CPUs this process may run on, at most 8 (a copy
-    is bound by memory bandwidth long before that)."""
+    """Threads a host copy uses: the CPUs this process may run on, at most 8 (a cap:
+    a copy is bound by memory bandwidth; more threads were not measured)."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
