@@ -113,6 +113,10 @@ def run_target(args: argparse.Namespace) -> None:
     else:
         dst = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=args.dst_device)
                for t in manifest.tensors}
+    # ORDER: the device inventory first: asking CUDA which GPUs this process sees opens
+    # the driver's descriptors once (even with none visible); they are not the pull's
+    from modelexpress.local.devices import CudaDevices
+    CudaDevices().uuids()
     before = fd_count()
     out = {"pid": os.getpid(), "fds_before": before}
     progress = None
@@ -147,6 +151,10 @@ def run_target(args: argparse.Namespace) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the test as JSON
             out["context_ok"] = False
             out["context_error"] = str(exc)[:300]
+    # ORDER: the digest kernel's background build (a pull starts it) holds files and pipes
+    # of its own while it runs: count after it ended
+    from modelexpress.transfer.digest import wait_for_builds
+    wait_for_builds()
     out["fds_after"] = fd_count()
     print(json.dumps(out), flush=True)
 

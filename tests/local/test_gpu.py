@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from modelexpress.local import LocalEndpoint, fd_count, pull
+from modelexpress.transfer.digest import wait_for_builds
 from modelexpress.transfer.manifest import Manifest
 
 from ._peers import make_tensors
@@ -52,15 +53,18 @@ def test_gpu_pull_maps_the_source_memory_and_copies_every_byte(make_source, layo
     assert res.transport == "local" and set(res.segments) == {kind}, res
     assert res.verified == len(manifest.tensors)
     assert _equal(src, dst)
-    assert src.fds_settle(src_fds) == src_fds
+    # no descriptor left behind (the source may close one it held before: <=)
+    assert src.fds_settle(src_fds) <= src_fds
     # The first pull in a process also opens the driver's own descriptors (a device's
     # context, peer mappings): count from the second pull, which must leave none.
     dst2 = _dst(manifest, dst_device)
+    wait_for_builds()  # the digest kernel's background build holds descriptors while it runs
     my_fds = fd_count()
     pull(endpoint, manifest, dst2, chunk_bytes=8 << 20)
     assert _equal(src, dst2)
+    wait_for_builds()
     assert fd_count() == my_fds
-    assert src.fds_settle(src_fds) == src_fds
+    assert src.fds_settle(src_fds) <= src_fds
 
 
 def test_gpu_arena_to_arena_merges_copies_across_chunks(make_source):
