@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from modelexpress.identity import ModelIdentity
 
-__all__ = ["ArtifactReport", "ArtifactStep"]
+__all__ = ["ArtifactReport", "ArtifactStep", "prefetch_modelinfos"]
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class ArtifactStep:
             self.report.done.set()
             return
         r = self.report
-        r.compiled = bool(events.aot_saved or events.compiled)
+        r.compiled = events.compiled_fresh
         if r.outcome == "installed":
             dirs = self._installed_dirs or []
             new = cc.cache_files([pathlib.Path(d) for d in dirs]) - self._files_before
@@ -268,6 +268,29 @@ class ArtifactStep:
         log.info("modelexpress: serving compiled artifacts of rank %d (%d files, %.1f MB) as "
                  "source %s", self.identity.rank, len(aset.files), aset.total_bytes / 1e6,
                  self._handle.source_id)
+        if self.identity.rank == 0:
+            self._publish_modelinfos()
+
+    def _publish_modelinfos(self) -> None:
+        """Serve vLLM's model-info cache too (targets fetch it in the plugin, before vLLM
+        configures the engine: :func:`prefetch_modelinfos`)."""
+        root = self.layout.cache_root
+        if not any((root / cc.MODELINFOS).glob("*.json")):
+            return
+        try:
+            aset, buf = pack_files({cc.KIND: root}, [(cc.KIND, cc.MODELINFOS)],
+                                   facts=cc.software_facts(), name="mx-vllm-modelinfos")
+            settings = self._options.settings
+            from modelexpress.local import LocalOptions
+
+            self._info_client = self._new_client()
+            self._info_handle = serve_packed(
+                cc.modelinfos_identity(cc.software_facts()), aset, buf, key=self._key,
+                client=self._info_client, local=LocalOptions.from_settings(settings),
+                manager=self._manager(), backend=settings.nixl_backend,
+                heartbeat_interval_s=settings.heartbeat_interval_s, guardian=True)
+        except MxError as exc:  # a conflict included: another engine serves other bytes
+            log.info("modelexpress: not serving vLLM's model-info cache: %s", exc)
 
     def _count(self, outcome: str) -> None:
         """Report the outcome to the control plane (its /metrics counts it)."""
@@ -294,8 +317,16 @@ class ArtifactStep:
                  "and targets to move vLLM's compile cache with the weights)")
 
     def close(self) -> None:
-        """Withdraw the artifact source (if serving). Idempotent."""
+        """Withdraw the artifact sources (if serving). Idempotent."""
         self._closed = True
+        for name in ("_info_handle", "_info_client"):
+            thing = getattr(self, name, None)
+            setattr(self, name, None)
+            if thing is not None:
+                try:
+                    thing.close()
+                except Exception:  # noqa: BLE001 - runs in finalizers
+                    log.debug("modelexpress: closing %s failed", name, exc_info=True)
         if self._handle is not None:
             try:
                 self._handle.close()
@@ -304,3 +335,47 @@ class ArtifactStep:
                 if self._client is not None:
                     self._client.close()
                     self._client = None
+
+
+def prefetch_modelinfos(settings: Any) -> str:
+    """Fetch vLLM's model-info cache from a peer before vLLM configures the engine.
+
+    Called by the plugin in every vLLM process; does something only with
+    ``MX_ARTIFACT_KEY`` set and an empty ``$VLLM_CACHE_ROOT/modelinfos`` (never over a
+    cache the engine has; after the first process installed it, the others find it).
+    Bounded (``MX_CLIENT_TIMEOUT_S`` per call, 15 s for the pull).
+
+    Returns:
+        The outcome (``installed``, ``skipped``, ``off``, ``miss``, ``refused``,
+        ``present``, ``error``).
+    """
+    import pathlib
+
+    if not settings.artifact_key:
+        return "off"
+    from vllm import envs
+
+    root = pathlib.Path(envs.VLLM_CACHE_ROOT)
+    if any((root / cc.MODELINFOS).glob("*.json")):
+        return "skipped"
+    from modelexpress.client import MxClient
+    from modelexpress.p2p import PullOptions
+
+    t0 = time.perf_counter()
+    key = ArtifactKey.from_setting(settings.artifact_key.get_secret_value())
+    token = settings.server_token.get_secret_value() if settings.server_token else None
+    with MxClient(settings.server_url, token=token, timeout_s=settings.client_timeout_s,
+                  retries=1) as client:
+        result = pull_artifacts(cc.modelinfos_identity(cc.software_facts()), key=key,
+                                client=client, roots={cc.KIND: root},
+                                options=PullOptions.from_settings(settings, timeout_s=15.0),
+                                check_facts=cc.software_facts())
+    if result.outcome == "installed":
+        log.info("modelexpress: installed vLLM's model-info cache (%d files) from source %s "
+                 "in %.3f s", result.files, result.source_id, time.perf_counter() - t0)
+    elif result.outcome in ("refused", "error"):
+        log.warning("modelexpress: vLLM's model-info cache %s: %s", result.outcome,
+                    result.reason)
+    else:
+        log.debug("modelexpress: vLLM's model-info cache %s: %s", result.outcome, result.reason)
+    return result.outcome

@@ -11,6 +11,10 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modelexpress.settings import MxSettings
 
 __all__ = ["register", "register_weight_transfer"]
 
@@ -63,7 +67,22 @@ def register() -> None:
                 prefault=settings.shm_arena_prefault,
             )
         _registered = True
+    # --- vLLM's model-info cache (compiled artifacts) ----------------------------
+    # ORDER: vLLM loads plugins before it configures the engine, and configuring it
+    # inspects the architecture (in a subprocess, seconds) unless this cache has it.
+    _prefetch_modelinfos(settings)
     log.debug("modelexpress vLLM plugin registered (shm tensor arena: %s)", settings.shm_tensor_arena)
+
+
+def _prefetch_modelinfos(settings: "MxSettings") -> None:
+    if not settings.artifact_key:
+        return
+    try:
+        from modelexpress.engines.vllm.artifacts import prefetch_modelinfos
+        prefetch_modelinfos(settings)
+    except Exception as exc:  # noqa: BLE001 - an extra: vLLM inspects the model itself
+        log.warning("modelexpress: fetching vLLM's model-info cache failed (%s: %s); vLLM "
+                    "inspects the model itself", type(exc).__name__, exc)
 
 
 def register_weight_transfer() -> None:

@@ -5,7 +5,8 @@ A loads from disk, compiles (inductor), and serves its weights and its compile c
 ``VLLM_CACHE_ROOT`` of its own:
 
 * B, weights moved away: pulls both; vLLM's compilation takes every kernel from the
-  pulled cache (``hit``); B answers exactly as A.
+  pulled cache (``hit``); B answers exactly as A. Its plugin fetched vLLM's model-info
+  cache before vLLM configured the engine.
 * C, the checkpoint at another path: vLLM's own cache key differs (it covers the path),
   the artifacts are the same and C gets them (``hit``); its weights come from disk (the
   weights identity names the path).
@@ -135,6 +136,8 @@ def test_pulled_engine_gets_compiled_artifacts_with_the_weights(ckpt, logs, serv
             log = b.log_text()
             assert "loaded from peer" in log, b.log_tail()
             assert re.search(r"installed \d+ compiled-artifact files", log), b.log_tail()
+            # the model-info cache came before vLLM configured the engine (the plugin)
+            assert "installed vLLM's model-info cache" in log, b.log_tail()
             assert _answers(b) == expected
             assert _artifact_metric(server, "hit") == hits_before + 1
         # the install went under B's own cache root, in vLLM's layout
