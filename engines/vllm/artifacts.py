@@ -118,6 +118,7 @@ class ArtifactStep:
                                            if settings.artifact_key else None)
         except MxError as exc:
             self._finish("error", str(exc))
+            self.report.done.set()
             return
         if key is None:
             self._say_off_once()
