@@ -243,6 +243,24 @@ class MxSettings(BaseSettings):
         # not a token that no server can match.
         return None if isinstance(value, str) and not value.strip() else value
 
+    @field_validator("artifact_key", mode="before")
+    @classmethod
+    def _check_artifact_key(cls, value: Any) -> Any:
+        # At start-up, not when the first engine has compiled: an empty key is none, a
+        # short one or an unreadable key file is an error that names the variable.
+        if isinstance(value, str) and not value.strip():
+            return None
+        if isinstance(value, str):
+            from modelexpress.artifacts.signing import ArtifactKey
+            from modelexpress.errors import ConfigError
+
+            try:
+                ArtifactKey.from_setting(value)
+            except ConfigError as exc:
+                raise ValueError(str(exc).removeprefix("MX_ARTIFACT_KEY ")
+                                 .removeprefix("MX_ARTIFACT_KEY=")) from None
+        return value
+
     @model_validator(mode="after")
     def _warn_ineffective(self) -> "MxSettings":
         """Combinations that are valid but do nothing: said once, at start-up."""
