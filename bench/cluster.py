@@ -31,12 +31,21 @@ Measured in one run, each against the link cap ``C`` (``--cap``, Mbit/s):
     only while a READY source has no live transfer: the doubling tree, ideal
     ``ceil(log2(N + 1)) x T1``.
   ``last_s`` is the time from the first transfer's creation to the last one's finish
-  (server timestamps), ``ratio = last_s / ideal``.
+  (server timestamps), ``ratio = last_s / ideal``. These three run with the relay off
+  (``MX_RELAY=0``): they are the baselines of the next one.
+* ``relay`` for N = 1 and each ``--targets`` size (``--relay-model``: the uniform
+  checkpoint, and MiniLM), 1 origin, every host capped at C: agents with the fleet
+  relay on (the default), all N transfers created at once; the server's planner
+  chains them at claim time. ``last_s`` as above, ``vs_one = last_s / last_s(N=1)``
+  (one target alone, same run, same links), ``origin_models``: bytes the origin's NIC
+  sent over the model's size, ``links``: each host's (tx, rx) MB, ``paths``: each
+  transfer's ``relay_path`` length (1: read the origin).
 
 ``achieved`` is the pull's data-plane rate (``gbps`` of its result: first READ to last
 byte) in Mbit/s.
 
 Usage: sudo python bench/cluster.py [--cap 400] [--targets 2,4,8] [--stripes 2,4] [--quick]
+       [--only relay] [--relay-model uniform,minilm] [--relay-chunk 2097152] [--queue-ms 100]
 Prints progress lines on stderr, then ONE JSON object on the last line of stdout.
 """
 
@@ -153,7 +162,8 @@ def _run_fanout(fleet: Fleet, identity: Any, hosts: list[Host], mode: str,
                 work: pathlib.Path, round_id: str) -> dict[str, Any]:
     serve = mode != "one_source"
     ids = [f"{round_id}-{h.name}" for h in hosts]
-    agents = [fleet.agent(h, aid, work / aid, args=["--serve" if serve else "--no-serve"])
+    agents = [fleet.agent(h, aid, work / aid, args=["--serve" if serve else "--no-serve"],
+                          env={"MX_RELAY": "0"})  # the baselines of bench_relay
               for h, aid in zip(hosts, ids)]
     fleet.wait_agents(ids)
     started: dict[str, Any] = {}
@@ -227,6 +237,64 @@ def bench_fanout(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.
     return out
 
 
+def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.Path,
+                sizes: list[int], checkpoint: pathlib.Path | None, model: str,
+                chunk: int, queue_ms: float = 100.0) -> dict[str, Any]:
+    """N targets started at once through the fleet relay (see the module docstring)."""
+    tag = "u" if checkpoint is not None else "m"
+    origin = cluster.add_host(f"{tag}org")
+    targets = [cluster.add_host(f"{tag}r{i}") for i in range(max(sizes))]
+    for h in [origin, *targets]:
+        h.shape(cap, queue_ms=queue_ms)
+    pub = fleet.publish(origin, checkpoint=checkpoint, model=model)
+    info = pub.json_line(START_DEADLINE_S)
+    identity = info["identity"]["id"]
+    with fleet.client() as c:
+        nbytes = sum(e["nbytes"] for e in c.get_source(info["source_id"]).manifest["tensors"])
+    out: dict[str, Any] = {"bytes": nbytes, "t1_s": round(nbytes * 8 / (cap * 1e6), 3),
+                           "chunk_bytes": chunk, "queue_ms": queue_ms}
+    env = {"MX_RELAY_CHUNK_BYTES": str(chunk), "MX_TRANSFER_STALL_S": "10"}
+    for n in sorted({1, *sizes}):
+        hosts = targets[:n]
+        ids = [f"{tag}rel{n}-{h.name}" for h in hosts]
+        agents = [fleet.agent(h, aid, work / aid, env=env)  # fan-out on: the default
+                  for h, aid in zip(hosts, ids)]
+        fleet.wait_agents(ids)
+        nic0 = {h.name: h.nic_bytes() for h in [origin, *hosts]}
+        deadline = time.monotonic() + 600
+        with fleet.client() as c:
+            made = [c.start_transfer(identity, aid) for aid in ids]  # all at once
+            while True:
+                recs = [c.get_transfer(t.id) for t in made]
+                if all(x.state in _FINAL for x in recs):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"relay n={n} not done after 600 s")
+                time.sleep(0.05)
+        nic1 = {h.name: h.nic_bytes() for h in [origin, *hosts]}
+        for a in agents:
+            a.stop()
+        failed = [x for x in recs if x.state != "SUCCEEDED"]
+        if failed:
+            raise RuntimeError(f"relay n={n}: {[(x.target_worker, x.error) for x in failed]}")
+        first = min(x.created_at for x in recs)
+        last = max(x.finished_at or 0.0 for x in recs)
+        links = {name: [round((nic1[name][1] - nic0[name][1]) / 1e6, 1),
+                        round((nic1[name][0] - nic0[name][0]) / 1e6, 1)] for name in nic0}
+        row = {"last_s": round(last - first, 3),
+               "origin_models": round((nic1[origin.name][1] - nic0[origin.name][1]) / nbytes, 3),
+               "links_tx_rx_mb": links,
+               "paths": sorted(len(x.relay_path) for x in recs),
+               "finish_s": sorted(round((x.finished_at or 0.0) - first, 2) for x in recs)}
+        out[str(n)] = row
+        _say(f"relay {model} n={n}: {row}")
+    one = out["1"]["last_s"]
+    for n in sizes:
+        out[str(n)]["vs_one"] = round(out[str(n)]["last_s"] / one, 3)
+    pub.stop()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cap", type=float, default=400.0, help="link cap C in Mbit/s")
@@ -235,12 +303,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="cap 800, N 2, width 2, the uniform checkpoint only")
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
+    parser.add_argument("--only", default="", help="run one part: striping, fanout, relay")
+    parser.add_argument("--relay-model", default="uniform,minilm",
+                        help="checkpoints of the relay part (uniform, minilm)")
+    parser.add_argument("--relay-chunk", type=int, default=2 << 20,
+                        help="MX_RELAY_CHUNK_BYTES of the relay part")
+    parser.add_argument("--queue-ms", type=float, default=100.0,
+                        help="tbf queue (latency) of the relay part's links, in ms")
     args = parser.parse_args()
     reason = netns_available()
     if reason is not None:
         raise SystemExit(f"bench/cluster.py {reason}")
     if args.quick:  # the CI smoke run: uniform checkpoint only, N = 2
         args.cap, args.targets, args.stripes = 800.0, "2", "2"
+        args.relay_model = "uniform"
     sizes = [int(x) for x in args.targets.split(",")]
     widths = [int(x) for x in args.stripes.split(",")]
     work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="mx-bench-cluster-"))
@@ -251,8 +327,8 @@ def main() -> None:
     result: dict[str, Any] = {"cap_mbit": args.cap, "bytes": nbytes,
                               "model": "sentence-transformers/all-MiniLM-L6-v2",
                               "shaping": "tc tbf both directions per host link, no added latency"}
-    if widths != [0]:
-        uniform = uniform_checkpoint(work / "uniform", nbytes)
+    uniform = uniform_checkpoint(work / "uniform", nbytes)
+    if widths != [0] and args.only in ("", "striping"):
         with NetnsCluster(work / "stripe") as cluster:
             fleet = Fleet(cluster, cluster.add_host("server"))
             if not args.quick:
@@ -260,9 +336,20 @@ def main() -> None:
                                                     None, MODEL)
             result["striping_uniform"] = bench_striping(cluster, fleet, args.cap, work,
                                                         widths, uniform, "bench/uniform-96")
-    with NetnsCluster(work / "fanout") as cluster:
-        fleet = Fleet(cluster, cluster.add_host("server"))
-        result["fanout"] = bench_fanout(cluster, fleet, args.cap, work, sizes, nbytes)
+    if args.only in ("", "fanout"):
+        with NetnsCluster(work / "fanout") as cluster:
+            fleet = Fleet(cluster, cluster.add_host("server"))
+            result["fanout"] = bench_fanout(cluster, fleet, args.cap, work, sizes, nbytes)
+    if args.only in ("", "relay"):
+        result["relay"] = {}
+        for which in args.relay_model.split(","):
+            with NetnsCluster(work / f"relay-{which}") as cluster:
+                fleet = Fleet(cluster, cluster.add_host("server"))
+                ckpt, name = ((uniform, "bench/uniform-96") if which == "uniform"
+                              else (None, MODEL))
+                result["relay"][which] = bench_relay(cluster, fleet, args.cap, work, sizes,
+                                                     ckpt, name, args.relay_chunk,
+                                                     args.queue_ms)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(result))
 

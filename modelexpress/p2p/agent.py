@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 
 _AGENT_PULL = PullOptions(progress_interval_s=0.2, track=False)
+_LIVE = ("PENDING", "RUNNING", "STOPPING")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,7 @@ class Agent(Closeable):
         self._closed = False
         self._nixl: "NixlTransferManager | None" = None  # made by warm_up, reused by pulls
         self._buffers: list[Any] = []  # memfd buffers of fan-out sources (local transport)
+        self._lingering: list[tuple[threading.Thread, Any]] = []  # finished relays
 
     def register(self) -> None:
         """(Re-)register with the control plane."""
@@ -361,11 +363,41 @@ class Agent(Closeable):
             handle = relay.promote() if opts.serve_after_pull else None
             if handle is not None:
                 self.served.append(handle)  # the fan-out source: the same memory, READY
+            elif opts.serve_after_pull:
+                relay.close()  # its bytes no longer match: nothing to serve
             else:
-                relay.close()
+                self._close_when_unread(relay, transfer)
         elif opts.serve_after_pull:
             self._serve(identity, dest, None)
         return state
+
+    def _close_when_unread(self, relay: Any, transfer: "TransferInfo") -> None:
+        """Without fan-out, a finished relay still serves the transfers that read from it
+        (the ones whose path starts with it), then withdraws: a chain's last targets
+        would otherwise read their last chunks from the origin. Bounded by the pull
+        deadline; a thread, so the agent takes its next transfer meanwhile."""
+        ref = f"t:{transfer.id}"
+        end = time.monotonic() + self.options.pull.timeout_s
+
+        def run() -> None:
+            try:
+                while time.monotonic() < end and not self._closed:
+                    readers = [t for t in self.client.list_transfers(
+                        identity=transfer.identity_id)
+                        if t.relay_path[:1] == (ref,) and t.state in _LIVE]
+                    if not readers:
+                        return
+                    time.sleep(0.2)
+            except MxError as exc:
+                log.warning("transfer %s: could not list the readers of its relay (%s); "
+                            "withdrawing it", transfer.id, exc)
+            finally:
+                relay.close()
+
+        thread = threading.Thread(target=run, name=f"mx-relay-linger-{transfer.id[:8]}",
+                                  daemon=True)
+        self._lingering.append((thread, relay))
+        thread.start()
 
     def _local_readers(self) -> Any:
         """The local transport's reader factory (None when off or without a host id)."""
@@ -437,6 +469,10 @@ class Agent(Closeable):
         if self._closed:
             return
         self._closed = True
+        for thread, relay in self._lingering:
+            relay.close()
+            thread.join(5.0)
+        self._lingering.clear()
         for handle in self.served:
             handle.close()
         self.served.clear()

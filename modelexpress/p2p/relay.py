@@ -14,13 +14,18 @@ server's planner, :mod:`~modelexpress.p2p.relay_plan`):
   pull: it reads the tensors, in manifest order, from the first live holder on the
   path, each only once that holder advertises it, and advertises its own progress.
 
-What a holder advertises is a **watermark**: the bytes of the longest manifest-order
-prefix of tensors it received and verified, reported as the transfer's
-``bytes_done`` (a background thread pushes each advance at once: the read loop never
-waits on HTTP). A relay's destination is a slab in manifest order, and it reads in
-that order, so the prefix grows chunk by chunk; a reader reads what lies below the
-watermark in one NIXL READ (the READ's own chunks, ``MX_RELAY_CHUNK_BYTES`` at most,
-mark tensors done as they land).
+What a holder advertises is a **watermark**: a byte offset into the manifest-order
+concatenation of the tensors, below which it holds every byte, reported as the
+transfer's ``bytes_done`` (a background thread pushes each advance at once: the read
+loop never waits on HTTP). A reader cuts the destination into pieces of at most
+``MX_RELAY_CHUNK_BYTES`` (a large tensor is several pieces: an embedding that is half
+of a model must not stall a chain for half a model) and reads every piece below its
+holder's watermark in one NIXL READ. A tensor is checked against the origin's digest
+when its last piece lands, and the watermark passes a tensor's end only once it is
+verified: the only unverified bytes a relay ever advertises are the landed pieces of
+the tensor it is receiving, which its readers verify themselves when they have it all.
+A relay's destination is one slab in manifest order and it reads in that order, so
+its watermark grows piece by piece.
 
 Faults. A holder is left for the next one on the path when its READ fails or stalls
 (``MX_TRANSFER_STALL_S``), when its transfer ended FAILED or STOPPED, when its relay
@@ -48,8 +53,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from modelexpress.errors import (MxError, NotFoundError, PeerError, TransferCancelledError,
-                                 TransferError, TransferTimeoutError)
+from modelexpress.errors import (IntegrityError, MxError, NotFoundError, PeerError,
+                                 TransferCancelledError, TransferError, TransferTimeoutError,
+                                 TransportError)
 from modelexpress.p2p.relay_plan import parse_ref, tensor_chunks
 
 if TYPE_CHECKING:
@@ -68,6 +74,7 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.01           # re-read a starved upstream's watermark this often
 _STATE_EVERY_S = 1.0     # ...and its relay source's state this often
 _STILL_WAITING_EVERY_S = 10.0
+_ORIGIN_RETRIES = 2      # READs of the origin (last on every path) that may fail and be retried
 
 
 def relay_worker_id(target_worker: str, transfer_id: str) -> str:
@@ -107,6 +114,7 @@ class RelayServer:
 
         self.dest = dest
         self.origin = origin
+        self._lock = threading.Lock()
         digests = {e.name: e.digest for e in origin.tensors
                    if e.digest is not None and e.name in dest}
         t0 = time.perf_counter()
@@ -130,7 +138,8 @@ class RelayServer:
         closes it). Otherwise withdraw it and return None."""
         from modelexpress.transfer import digest as _digest
 
-        handle, self.handle = self.handle, None
+        with self._lock:
+            handle, self.handle = self.handle, None
         if handle is None:
             return None
         algo = self.origin.digest_algorithm
@@ -156,7 +165,8 @@ class RelayServer:
     def close(self) -> None:
         """Stop serving and delete the relay source's record (a relay that ended is no
         source: readers still on it see it gone and move on). Idempotent."""
-        handle, self.handle = self.handle, None
+        with self._lock:  # the agent's close and a lingering relay's thread may race
+            handle, self.handle = self.handle, None
         if handle is not None:
             handle.close()  # STALE first: a reader polling now leaves it
             try:
@@ -203,6 +213,140 @@ class _Advertiser:
         self._thread.join(10.0)
 
 
+class _Pieces:
+    """The destination cut into pieces of at most ``chunk_bytes`` (a tensor larger than
+    that is several pieces, smaller ones one each), in manifest order, and which landed.
+
+    A holder's watermark is a byte offset into the manifest-order concatenation of the
+    tensors, so pieces below it can be read whatever the holder's own piece size. A
+    tensor is verified (against the origin's digest) when its last piece lands; only
+    then does the advertised prefix pass that tensor's end, so a relay advertises
+    unverified bytes only of the one tensor it is receiving (a reader checks that
+    tensor's digest itself when it has all of it).
+    """
+
+    def __init__(self, origin: "Manifest", dest: Mapping[str, "torch.Tensor"],
+                 chunk_bytes: int, verify: bool) -> None:
+        import torch
+
+        self.algo = origin.digest_algorithm if verify else None
+        self.want = {e.name: e.digest for e in origin.tensors}
+        self.order = [e for e in origin.tensors if e.name in dest]
+        self.tensors = len(self.order)
+        self.dest = dest
+        self.keys: list[str] = []          # piece keys in order
+        self.ends: list[int] = []          # global end offset of each piece
+        self.spans: dict[str, tuple[str, int, int]] = {}   # key -> (tensor, offset, bytes)
+        self.views: dict[str, "torch.Tensor"] = {}
+        self.of_tensor: dict[str, list[str]] = {}
+        acc = 0
+        for e in self.order:
+            flat = dest[e.name].reshape(-1).view(torch.uint8)
+            keys = self.of_tensor.setdefault(e.name, [])
+            for off in range(0, e.nbytes, chunk_bytes):
+                n = min(chunk_bytes, e.nbytes - off)
+                key = f"{e.name}@{off}"
+                acc += n
+                self.keys.append(key)
+                self.ends.append(acc)
+                self.spans[key] = (e.name, off, n)
+                self.views[key] = flat[off:off + n]
+                keys.append(key)
+        self.total = acc
+        self.got: set[str] = set()
+        self.good: set[str] = {e.name for e in self.order if e.nbytes == 0}
+        self.checked = self.algo is not None
+        self._next = 0  # first piece not yet in the advertised prefix
+        self._lock = threading.Lock()
+
+    @property
+    def complete(self) -> bool:
+        return len(self.good) == self.tensors
+
+    def below(self, mark: int) -> dict[str, "torch.Tensor"]:
+        """Pieces not landed that lie wholly below ``mark`` (name -> destination view)."""
+        with self._lock:
+            return {k: self.views[k] for k, e in zip(self.keys, self.ends)
+                    if e <= mark and k not in self.got}
+
+    def whole_tensors(self, todo: Mapping[str, object]) -> list[str]:
+        """Tensors every piece of which is in ``todo``, in order."""
+        return [e.name for e in self.order
+                if self.of_tensor[e.name] and all(k in todo for k in self.of_tensor[e.name])]
+
+    def manifest_of(self, holder: "Manifest") -> "Manifest":
+        """``holder``'s manifest with one uint8 entry per piece (no digests: the pieces are
+        checked here, per tensor, against the origin)."""
+        import dataclasses
+
+        from modelexpress.transfer.manifest import TensorEntry
+
+        by_name = {e.name: e for e in holder.tensors}
+        entries = tuple(TensorEntry(k, "uint8", (n,), n, by_name[t].addr + off,
+                                    by_name[t].device)
+                        for k, (t, off, n) in self.spans.items())
+        return dataclasses.replace(holder, tensors=entries, digest_algorithm=None)
+
+    def landed(self, key: str) -> int | None:
+        """A piece landed: verify its tensor if complete; returns the new advertised
+        prefix, or None when it did not move.
+
+        Raises:
+            IntegrityError: the tensor this piece completed does not match the origin's
+                digest (its pieces are forgotten, to be read again elsewhere).
+        """
+        name = self.spans[key][0]
+        with self._lock:
+            self.got.add(key)
+            complete = all(k in self.got for k in self.of_tensor[name])
+        if complete and self.algo is not None:
+            from modelexpress.transfer import digest as _digest
+
+            (got,) = _digest.digest_many([self.dest[name]], self.algo)
+            if got != self.want[name]:
+                with self._lock:
+                    self.got.difference_update(self.of_tensor[name])
+                raise IntegrityError(
+                    f"tensor {name!r} ({self.dest[name].numel() * self.dest[name].element_size()}"
+                    f" bytes) failed its {self.algo} digest check against the origin's (origin "
+                    f"{self.want[name]}, received {got}); reading it again from another holder")
+        if complete:
+            return self.verified(name)
+        return self._advance()
+
+    def verified(self, name: str) -> int | None:
+        """Tensor ``name`` is whole and verified; returns the new prefix (or None)."""
+        with self._lock:
+            self.got.update(self.of_tensor[name])
+            self.good.add(name)
+        return self._advance()
+
+    def forget_unverified(self) -> None:
+        """Drop landed pieces of tensors not verified: a failed READ may have landed some
+        of a tensor's pieces and not others; they are read again whole."""
+        with self._lock:
+            for e in self.order:
+                if e.name not in self.good:
+                    self.got.difference_update(self.of_tensor[e.name])
+            # the advertised prefix stays: it only ever covered landed pieces of the
+            # tensor in progress, which a reader verifies itself
+
+    def _advance(self) -> int | None:
+        with self._lock:
+            i = self._next
+            while i < len(self.keys):
+                key = self.keys[i]
+                name = self.spans[key][0]
+                last = key == self.of_tensor[name][-1]
+                if key not in self.got or (last and name not in self.good):
+                    break
+                i += 1
+            if i == self._next:
+                return None
+            self._next = i
+            return self.ends[i - 1]
+
+
 class _Holder:
     """One holder on the path, as the reader sees it."""
 
@@ -215,6 +359,7 @@ class _Holder:
         self.mark = 0
         self.advanced = time.monotonic()
         self.state_checked = 0.0
+        self.pieces: "Manifest | None" = None  # its manifest cut into _Pieces
 
 
 class RelayReader:
@@ -287,6 +432,7 @@ class RelayReader:
                 raise PeerError(f"its relay source {sid} is STALE (the agent died or withdrew)")
             if h.info is None:
                 self._check_manifest(h, info)
+                self._connect(h)  # now, not when its first piece is advertised: off the pipeline
         mark = total if t.state == "SUCCEEDED" else min(int(t.bytes_done), total)
         if mark > h.mark:
             h.mark, h.advanced = mark, now
@@ -323,41 +469,41 @@ class RelayReader:
         """READ ``dest`` from the path's holders (see the module docstring).
 
         Raises:
-            TransferError: the origin, last on the path, failed too (as the NIXL READ).
+            TransferError: the origin, last on the path, failed too (as the NIXL READ;
+                a stalled or dropped READ of it is tried again twice first).
             TransferCancelledError: ``stop`` was set.
             TransferTimeoutError: ``deadline_s`` ran out.
         """
-        order = [e for e in self.origin.tensors if e.name in dest]
-        ends, acc = [], 0
-        for e in order:
-            acc += e.nbytes
-            ends.append(acc)
-        total = acc
-        done: set[str] = set()
+        pieces = _Pieces(self.origin, dest, self.chunk_bytes, self.verify)
+        total = pieces.total
         self.manager.register_tensors(dict(dest))  # once, whole: reads take subsets
         adv = _Advertiser(self.advertise, total) if self.advertise is not None else None
-        state = {"prefix": 0, "mark": 0}
-        lock = threading.Lock()
+        state = {"mark": 0}
 
-        def tensor_done(name: str) -> None:
-            with lock:
-                done.add(name)
-                i, mark = state["prefix"], state["mark"]
-                while i < len(order) and order[i].name in done:
-                    mark = ends[i]
-                    i += 1
-                state["prefix"], state["mark"] = i, mark
+        def advanced(mark: int) -> None:
+            state["mark"] = mark
             if adv is not None:
                 adv.set(mark)
             progress(mark, total)
+
+        def piece_done(key: str) -> None:
+            mark = pieces.landed(key)  # raises IntegrityError when a tensor completes bad
+            if mark is not None:
+                advanced(mark)
+
+        def tensor_done(name: str) -> None:  # copied and verified whole (local transport)
+            mark = pieces.verified(name)
+            if mark is not None:
+                advanced(mark)
 
         t0 = time.perf_counter()
         end = time.monotonic() + deadline_s
         results: list["TransferResult"] = []
         at = 0
+        origin_retries = _ORIGIN_RETRIES
         last_log = time.monotonic()
         try:
-            while len(done) < len(order):
+            while not pieces.complete:
                 if _stopped(stop):
                     raise TransferCancelledError(
                         f"relayed READ stopped on request after {state['mark']} of {total} "
@@ -373,8 +519,7 @@ class RelayReader:
                     if h.kind == "transfer" and self.stall_s > 0 and (
                             now - h.advanced > 2 * self.stall_s):
                         raise PeerError(f"it advertised nothing new for {2 * self.stall_s:g} s")
-                    todo = {e.name: dest[e.name] for e, stop_at in zip(order, ends)
-                            if stop_at <= mark and e.name not in done}
+                    todo = pieces.below(mark)
                     if not todo:
                         if now - last_log > _STILL_WAITING_EVERY_S:
                             log.info("relay: still waiting for %s to advertise more than %d of "
@@ -383,15 +528,19 @@ class RelayReader:
                         time.sleep(_POLL_S)
                         continue
                     assert h.manifest is not None and h.info is not None
-                    copied = self._read_locally(h, todo, stop, end, tensor_done)
+                    whole = pieces.whole_tensors(todo)
+                    copied = (self._read_locally(h, {n_: dest[n_] for n_ in whole}, stop, end,
+                                                 tensor_done) if whole else None)
                     if copied is not None:
                         results.append(copied)
                     else:
+                        if h.pieces is None:
+                            h.pieces = pieces.manifest_of(h.manifest)
                         results.append(self.manager.read(
-                            h.manifest, todo, peer=self._connect(h), allow_partial=True,
+                            h.pieces, todo, peer=self._connect(h), allow_partial=True,
                             chunk_bytes=self.chunk_bytes,
                             deadline_s=max(end - time.monotonic(), 1.0), stop=stop,
-                            verify=self.verify, on_tensor_done=tensor_done,
+                            verify=False, on_tensor_done=piece_done,  # digests: _Pieces
                             stall_s=self.stall_s or None,
                             refuse_slow_transport=self.refuse_slow_transport))
                     if h.ref not in self.read_from:
@@ -399,8 +548,20 @@ class RelayReader:
                 except TransferCancelledError:
                     raise
                 except (TransferError, MxError) as exc:
-                    if h.kind == "source" and at == len(self.path) - 1:
-                        raise
+                    pieces.forget_unverified()  # a tensor whose pieces did not all land
+                    if at == len(self.path) - 1:
+                        # The origin, last: a stalled or dropped READ is tried again (the
+                        # deadline bounds it); a digest or transport refusal is final.
+                        if (origin_retries <= 0 or isinstance(exc, IntegrityError)
+                                or isinstance(exc, TransportError)):
+                            raise
+                        origin_retries -= 1
+                        log.warning("relay: reading the origin %s again (%d of %d bytes "
+                                    "verified so far): %s", h.ref, state["mark"], total, exc)
+                        if h.peer is not None:
+                            self.manager.remove_peer(h.peer)
+                            h.peer = None
+                        continue
                     if isinstance(exc, TransferTimeoutError) and time.monotonic() > end:
                         raise
                     why = f"{h.ref}: {type(exc).__name__}: {exc}"
@@ -415,7 +576,8 @@ class RelayReader:
             if adv is not None:
                 adv.close()
             self._disconnect()
-        return self._result(results, total, len(order), time.perf_counter() - t0)
+        return self._result(results, total, pieces.tensors, time.perf_counter() - t0,
+                            pieces.checked)
 
     def _read_locally(self, h: _Holder, todo: Mapping[str, "torch.Tensor"],
                       stop: "StopSignal | None", end: float,
@@ -460,7 +622,7 @@ class RelayReader:
                             sum(r.tensors for r in results), sum(r.seconds for r in results))
 
     def _result(self, results: list["TransferResult"], total: int, tensors: int,
-                seconds: float) -> "TransferResult":
+                seconds: float, verified: bool | None = None) -> "TransferResult":
         from modelexpress.transfer import TransferResult
         from modelexpress.transfer.transport import TransportVerdict
 
@@ -483,7 +645,7 @@ class RelayReader:
             chunks=sum(r.chunks for r in results), tensors=tensors,
             transport="+".join(transports) if len(transports) > 1 else transports[0],
             verdict=bad[0] if bad else results[-1].verdict, warnings=warnings,
-            verified=all(r.verified for r in results),
+            verified=all(r.verified for r in results) if verified is None else verified,
             verify_seconds=sum(r.verify_seconds for r in results),
             peer="relay:" + ",".join(self.read_from),
             connect_seconds=sum(r.connect_seconds for r in results),

@@ -386,19 +386,22 @@ class Host:
         return int(out[0]), int(out[1])
 
     def shape(self, rate_mbit: float | None, *, ingress_mbit: float | None = None,
-              delay_ms: float = 0.0, nic: str = "eth0") -> None:
+              delay_ms: float = 0.0, nic: str = "eth0", queue_ms: float = 100.0) -> None:
         """Cap a NIC's send rate (and receive rate: ``ingress_mbit``, default the same)
         with ``tbf``, and add ``delay_ms`` of one-way latency with ``netem`` on sends.
 
-        ``None`` leaves a direction uncapped. Replaces any earlier shaping.
+        ``None`` leaves a direction uncapped. ``queue_ms``: tbf's ``latency``, the most a
+        packet waits in the queue (a deep queue delays a host's small packets, READ
+        requests and ACKs, behind the bulk data it sends). Replaces any earlier shaping.
         """
         n = self.nic(nic)
         ingress = rate_mbit if ingress_mbit is None else ingress_mbit
-        _shape(["ip", "netns", "exec", self.netns], n.name, rate_mbit, delay_ms)
-        _shape([], n.outer, ingress, 0.0)
+        _shape(["ip", "netns", "exec", self.netns], n.name, rate_mbit, delay_ms, queue_ms)
+        _shape([], n.outer, ingress, 0.0, queue_ms)
 
 
-def _shape(prefix: list[str], dev: str, rate_mbit: float | None, delay_ms: float) -> None:
+def _shape(prefix: list[str], dev: str, rate_mbit: float | None, delay_ms: float,
+           queue_ms: float = 100.0) -> None:
     _sh([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
     if rate_mbit is None and delay_ms <= 0:
         return
@@ -410,7 +413,7 @@ def _shape(prefix: list[str], dev: str, rate_mbit: float | None, delay_ms: float
     # up to 64 KiB, and a smaller bucket would make tbf split or drop them.
     burst = max(int(rate_mbit * 1e6 / 8 * 0.004), 64 << 10)
     _sh([*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-         "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"])
+         "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", f"{queue_ms:g}ms"])
     if delay_ms > 0:
         _sh([*prefix, "tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
              "netem", "delay", f"{delay_ms}ms", "limit", "100000"])

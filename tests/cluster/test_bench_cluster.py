@@ -38,6 +38,9 @@ def test_cluster_bench_quick_reports_striping_and_fanout_and_leaves_nothing(
     for mode in ("one_source", "serve_spread_together", "serve_spread_waves"):
         assert fan[mode]["last_s"] > 0 and len(fan[mode]["timeline"]) == 2, mode
     assert fan["one_source"]["from_first_source"] == 2
+    relay = result["relay"]["uniform"]
+    assert relay["1"]["paths"] == [1] and relay["2"]["paths"] == [1, 2]  # a chain of two
+    assert relay["2"]["last_s"] > 0 and relay["2"]["vs_one"] > 0
     owner = f"{PREFIX}{proc.pid % (1 << 24):06x}"
     left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     left += subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -27,7 +27,10 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 _MODEL = "tests/relay-uniform-64"
 _FINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-_RELAY_ENV = {"MX_RELAY_CHUNK_BYTES": str(2 << 20), "MX_TRANSFER_STALL_S": "3",
+# A stall bound well above a chunk's time on the slowest link here (2 MiB at 40 Mbit/s:
+# 0.4 s) and the CI machine's scheduling hiccups; a killed relay is noticed sooner (its
+# READ fails, its guardian marks it STALE).
+_RELAY_ENV = {"MX_RELAY_CHUNK_BYTES": str(2 << 20), "MX_TRANSFER_STALL_S": "10",
               "MX_TRANSFER_TIMEOUT_S": "180"}
 
 
