@@ -18,7 +18,7 @@ torch nor NIXL.
 
 from modelexpress.artifacts.exchange import (ATTR_SET, ATTR_SIGNATURE, BLOB, OUTCOMES,
                                              ArtifactPull, pack_files, pull_artifacts,
-                                             serve_packed)
+                                             serve_packed, signed_payload)
 from modelexpress.artifacts.install import InstallResult, install_set, verify_blob
 from modelexpress.artifacts.manifest import (ArtifactFile, ArtifactSet, InstallUnit,
                                              check_relative_path, collect_files)
@@ -41,5 +41,6 @@ __all__ = [
     "pack_files",
     "pull_artifacts",
     "serve_packed",
+    "signed_payload",
     "verify_blob",
 ]

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from modelexpress.p2p import PullOptions, SourceHandle
 
 __all__ = ["ATTR_SET", "ATTR_SIGNATURE", "BLOB", "OUTCOMES", "ArtifactPull", "pack_files",
-           "pull_artifacts", "serve_packed"]
+           "pull_artifacts", "serve_packed", "signed_payload"]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ def serve_packed(identity: "ModelIdentity", aset: ArtifactSet, buf: "HostBuffer"
     from modelexpress.p2p import serve_source
 
     blob = buf.tensor(0, (max(aset.total_bytes, 1),), _uint8())
-    attributes = {ATTR_SET: aset.to_json(), ATTR_SIGNATURE: key.sign(aset.canonical_bytes())}
+    attributes = {ATTR_SET: aset.to_json(),
+                  ATTR_SIGNATURE: key.sign(signed_payload(identity.id, aset))}
     try:
         handle = serve_source(identity, {BLOB: blob}, client=client, manager=manager,
                               backend=backend, heartbeat_interval_s=heartbeat_interval_s,
@@ -157,12 +158,19 @@ def _uint8() -> Any:
     return torch.uint8
 
 
-def _checked_set(info: Any, key: ArtifactKey) -> ArtifactSet:
+def signed_payload(identity_id: str, aset: ArtifactSet) -> bytes:
+    """What a signature covers: the artifact identity and the whole set. The identity is
+    in it so that a set signed for one configuration cannot be republished (by anyone
+    who can write to the control plane) under another's identity."""
+    return identity_id.encode() + b"\n" + aset.canonical_bytes()
+
+
+def _checked_set(info: Any, key: ArtifactKey, identity_id: str) -> ArtifactSet:
     attributes = (info.manifest or {}).get("attributes") or {}
     if ATTR_SET not in attributes:
         raise ArtifactRefusedError("the source publishes no artifact set")
     aset = ArtifactSet.from_json(attributes[ATTR_SET])
-    key.verify(aset.canonical_bytes(), attributes.get(ATTR_SIGNATURE))
+    key.verify(signed_payload(identity_id, aset), attributes.get(ATTR_SIGNATURE))
     return aset
 
 
@@ -200,7 +208,7 @@ def pull_artifacts(identity: "ModelIdentity", *, key: ArtifactKey | None,
     for summary in ready:
         try:
             info = client.get_source(summary.id)
-            aset = _checked_set(info, key)
+            aset = _checked_set(info, key, identity.id)
             for name, want in (check_facts or {}).items():
                 if aset.facts.get(name) != want:
                     raise ArtifactRefusedError(f"the set's {name} is {aset.facts.get(name)!r}, "

@@ -1,8 +1,8 @@
 """Signatures on artifact sets: compiled code is installed only from a key the operator set.
 
 The key is a shared secret (``MX_ARTIFACT_KEY``) that every engine of a fleet gets
-from the operator (a Kubernetes Secret): a source signs the canonical form of its
-artifact set with HMAC-SHA256, a target recomputes it and installs nothing unless the
+from the operator (a Kubernetes Secret): a source signs its artifact identity and the
+canonical form of its artifact set with HMAC-SHA256, a target recomputes it and installs nothing unless the
 two match in constant time. The control plane never sees the key, so a compromised
 or impersonated control plane, or a peer without the key, cannot get code into an
 engine; whoever holds the key can (it is as sensitive as the right to run code in

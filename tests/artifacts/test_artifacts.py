@@ -243,3 +243,14 @@ def test_another_key_a_tampered_blob_and_foreign_facts_are_refused(server, tmp_p
 def test_no_source_is_a_miss_and_no_key_is_off(server, tmp_path) -> None:  # noqa: ANN001
     assert _pull(server, tmp_path / "d").outcome == "miss"
     assert _pull(server, tmp_path / "d", key=None).outcome == "off"
+
+
+def test_a_signature_binds_the_identity_it_was_made_for() -> None:
+    from modelexpress.artifacts import signed_payload
+
+    key = ArtifactKey(KEY.encode())
+    aset, _ = _set([("a/x", b"1")])
+    sig = key.sign(signed_payload("a" * 32, aset))
+    key.verify(signed_payload("a" * 32, aset), sig)
+    with pytest.raises(ArtifactRefusedError, match="changed after"):
+        key.verify(signed_payload("b" * 32, aset), sig)  # republished under another identity
