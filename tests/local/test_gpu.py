@@ -23,7 +23,8 @@ def _two_gpus() -> bool:
 
 
 DEVICES = ["cuda:0", pytest.param("cuda:1", marks=pytest.mark.skipif(
-    not _two_gpus(), reason="needs two GPUs (the nvidia-h200-x2 kind); one is present"))]
+    not _two_gpus(), reason=f"needs two GPUs (the nvidia-h200-x2 kind); "
+                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} here"))]
 
 
 def _parts(src):  # type: ignore[no-untyped-def]
