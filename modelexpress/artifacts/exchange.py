@@ -174,10 +174,14 @@ def _checked_set(info: Any, key: ArtifactKey, identity_id: str) -> ArtifactSet:
     return aset
 
 
+PrefixMapping = Mapping[str, str] | Callable[[ArtifactSet], Mapping[str, str]]
+"""Symbolic prefix name -> a target's directory, or a function of the verified set giving it."""
+
+
 def pull_artifacts(identity: "ModelIdentity", *, key: ArtifactKey | None,
                    client: "MxClient", options: "PullOptions",
                    roots: Mapping[str, pathlib.Path],
-                   mapping: "Mapping[str, str] | Callable[[ArtifactSet], Mapping[str, str]] | None" = None,
+                   mapping: PrefixMapping | None = None,
                    manager: Any = None, check_facts: Mapping[str, str] | None = None
                    ) -> ArtifactPull:
     """Pull, verify and install the artifact set of ``identity``; never raises on a refusal.
