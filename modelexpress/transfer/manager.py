@@ -518,8 +518,8 @@ class NixlTransferManager(ClosedOnCollect):
                         f"digest_algorithm={_digest.WSUM!r} or pass verify=False")
         expected = expected_transport(plan.local_mem, plan.remote_mem,
                                       manifest.host == socket.gethostname())
-        # The GPU digest kernel is loaded (compiled on a machine's first use, ~1 s)
-        # now, not inside the first chunk's verification.
+        # Starts the GPU digest kernel's build in the background (it does not block: until
+        # it is ready, chunks verify with the torch form, which gives the same digest).
         _digest.prepare(algo, (local[p.name] for p in plan.pairs))
         sizes = [int(n) for n in plan.local_descs[:, 1]] if len(plan.local_descs) else []
         with self._observer.reading(peer, plan.local_mem, plan.remote_mem, sizes) as watch:
