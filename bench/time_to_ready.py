@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -45,13 +44,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "engines"))
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 from mx_server_procs import TOKEN, ServerProc  # noqa: E402
+from checkpoint_moves import weights_away  # noqa: E402
 from vllm_engines import Engine, make_tiny_llama  # noqa: E402
 
 CASES = ("cold", "warm", "weights", "artifacts")
@@ -101,20 +100,6 @@ def parse_log(case: str, ready_s: float, log: str, started_wall: float) -> dict[
     m = re.search(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)", log)
     out["init_engine_s"] = float(m.group(1)) if m else None
     return out
-
-
-@contextlib.contextmanager
-def weights_away(ckpt: pathlib.Path) -> Iterator[None]:
-    moved = []
-    for f in ckpt.glob("*.safetensors"):
-        dst = f.with_suffix(".away")
-        os.replace(f, dst)
-        moved.append((dst, f))
-    try:
-        yield
-    finally:
-        for dst, f in moved:
-            os.replace(dst, f)
 
 
 def _median(values: list[Any]) -> float | None:

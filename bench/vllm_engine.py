@@ -44,7 +44,6 @@ Prints progress lines on stderr, then ONE JSON object on the last line of stdout
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -59,13 +58,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "engines"))
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 from mx_server_procs import TOKEN, ServerProc  # noqa: E402
+from checkpoint_moves import weights_away  # noqa: E402
 from vllm_engines import Engine, make_tiny_llama  # noqa: E402
 
 CASES = ("warm", "cold", "pulled")
@@ -246,25 +245,6 @@ def drop_page_cache(files: list[pathlib.Path], total: int) -> tuple[str, int | N
             method = f"posix_fadvise (drop_caches refused: {exc.strerror})"
         resident = resident_bytes(files)
     return method, resident
-
-
-@contextlib.contextmanager
-def weights_away(ckpt: pathlib.Path) -> Iterator[None]:
-    """Engines started inside find config and tokenizer but no weights on disk.
-
-    Every ``*.safetensors`` file and the shard index move to a sibling directory
-    (a rename: their pages stay cached) and back afterwards.
-    """
-    away = ckpt.parent / (ckpt.name + "-weights-away")
-    away.mkdir(exist_ok=True)
-    moved = [*ckpt.glob("*.safetensors"), *ckpt.glob("*.safetensors.index.json")]
-    for file in moved:
-        os.replace(file, away / file.name)
-    try:
-        yield
-    finally:
-        for file in moved:
-            os.replace(away / file.name, file)
 
 
 # ----------------------------------------------------------------------------- engines

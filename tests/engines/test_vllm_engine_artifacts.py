@@ -20,9 +20,7 @@ cache counters through our observer), never a time; the times to ready are print
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -32,6 +30,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from checkpoint_moves import weights_away as _weights_away
 from vllm_engines import Engine, make_tiny_llama
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
@@ -101,17 +100,6 @@ def _artifact_metric(server: ServerProc, outcome: str) -> float:
         if line.startswith("mx_artifacts_total{") and f'outcome="{outcome}"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-@contextlib.contextmanager
-def _weights_away(ckpt: pathlib.Path) -> Iterator[None]:
-    weights = ckpt / "model.safetensors"
-    away = ckpt.parent / "model.safetensors.away"
-    os.replace(weights, away)
-    try:
-        yield
-    finally:
-        os.replace(away, weights)
 
 
 _SERVING = r"serving compiled artifacts of rank \d+"

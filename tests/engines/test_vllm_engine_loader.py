@@ -16,7 +16,6 @@ by its engine, not timed out by the server.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -27,6 +26,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from checkpoint_moves import weights_away as _weights_away
 from vllm_engines import Engine, make_tiny_llama
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
@@ -90,18 +90,6 @@ def _client(server: ServerProc):  # noqa: ANN202
 def _source_ids(engine: Engine) -> list[str]:
     # (not the local transport's "local source <id> serving N segments" line)
     return re.findall(r"(?<!local )source (\S+) serving ", engine.log_text())
-
-
-@contextlib.contextmanager
-def _weights_away(ckpt: pathlib.Path) -> Iterator[None]:
-    """Engines started inside find config and tokenizer but no weights on disk."""
-    weights = ckpt / "model.safetensors"
-    away = ckpt.parent / "model.safetensors.away"
-    os.replace(weights, away)
-    try:
-        yield
-    finally:
-        os.replace(away, weights)
 
 
 def _assert_pulled(engine: Engine, ranks: int = 1) -> None:

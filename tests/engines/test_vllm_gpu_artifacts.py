@@ -20,17 +20,16 @@ the log directory; nothing here asserts a time.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
 import re
 import shutil
 import sys
-from collections.abc import Iterator
 
 import pytest
 
+from checkpoint_moves import weights_away as _weights_away
 from vllm_gpu_engines import LlmEngine, engine_env, write_tiny_llama
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
@@ -54,17 +53,6 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     path = pathlib.Path(env) if env else tmp_path_factory.mktemp("gpu-artifact-logs")
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-@contextlib.contextmanager
-def _weights_away(ckpt: pathlib.Path) -> Iterator[None]:
-    weights = ckpt / "model.safetensors"
-    away = ckpt.parent / "model.safetensors.away"
-    os.replace(weights, away)
-    try:
-        yield
-    finally:
-        os.replace(away, weights)
 
 
 def test_a_pulled_gpu_engine_loads_its_compiled_graph_from_the_pulled_cache(logs, tmp_path) -> None:

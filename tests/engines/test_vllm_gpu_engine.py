@@ -18,7 +18,6 @@ Each test has its own ``mx_identity_extra`` so one server serves the module.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -30,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from checkpoint_moves import weights_away as _weights_away
 from vllm_gpu_engines import LlmEngine, engine_env, write_tiny_llama
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
@@ -88,18 +88,6 @@ def _mx_env(server: ServerProc, arena: bool, **more: str) -> dict[str, str]:
 
 def _extra(case: str, **options: object) -> dict[str, object]:
     return {"mx_identity_extra": {"test": case}, **options}
-
-
-@contextlib.contextmanager
-def _weights_away(ckpt: pathlib.Path) -> Iterator[None]:
-    """Engines started inside find config.json but no weights on disk."""
-    weights = ckpt / "model.safetensors"
-    away = ckpt.parent / "model.safetensors.away"
-    os.replace(weights, away)
-    try:
-        yield
-    finally:
-        os.replace(away, weights)
 
 
 def _assert_served(a: LlmEngine, arena: bool) -> None:
