@@ -224,14 +224,14 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
     """Build the control-plane app.
 
     Args:
-        settings: server settings (store URL, token, timeouts); default ``MxSettings()``.
+        settings: server settings (store URL, token, timeouts); default ``MxSettings.load()``.
         store: an open store to use instead of opening ``settings.store``; the caller
             keeps ownership (the app closes only a store it opened itself).
 
     Returns:
         The FastAPI app, ready for uvicorn.
     """
-    settings = settings or MxSettings()
+    settings = settings or MxSettings.load()
     token = settings.server_token.get_secret_value() if settings.server_token else None
     owned = store is None
     the_store: Store = store if store is not None else open_store(settings.store)

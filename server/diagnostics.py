@@ -22,7 +22,7 @@ def _reachable() -> CheckResult:
     from modelexpress.errors import ControlPlaneError
     from modelexpress.settings import MxSettings
 
-    settings = MxSettings()
+    settings = MxSettings.load()
     try:
         with MxClient.from_settings(settings, timeout_s=2.0, retries=0) as client:
             health = client.health()

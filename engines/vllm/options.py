@@ -89,7 +89,7 @@ class LoaderOptions:
 
         Args:
             own: the ``mx_``-prefixed keys of ``model_loader_extra_config``.
-            settings: defaults; ``MxSettings()`` (the environment) when None.
+            settings: defaults; ``MxSettings.load()`` (the environment) when None.
 
         Returns:
             The options.
@@ -98,7 +98,7 @@ class LoaderOptions:
             ConfigError: an unknown ``mx_`` key or a value of the wrong type; the
                 message lists the allowed keys or the expected type.
         """
-        settings = settings if settings is not None else MxSettings()
+        settings = settings if settings is not None else MxSettings.load()
         unknown = set(own) - set(OPTION_KEYS)
         if unknown:
             raise ConfigError(

@@ -37,6 +37,7 @@ def register() -> None:
       large CPU tensors through the modelexpress shm tensor arena.
 
     Raises:
+        ConfigError: an ``MX_*`` value is invalid (one line naming the variable).
         ShmArenaError: the arena was requested on an unsupported vLLM version
             (a request the user made explicitly must not be ignored silently).
     """
@@ -45,7 +46,7 @@ def register() -> None:
         if _registered:
             return
         from modelexpress.settings import MxSettings
-        settings = MxSettings()
+        settings = MxSettings.load()  # a bad MX_* value is one line, not pydantic's block
         _configure_logging(settings.log_level)
 
         # --- model loader -----------------------------------------------------

@@ -209,7 +209,7 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
                 (``MX_SERVER_URL``...) when None.
 
         Raises:
-            ConfigError: no source, or bad init info.
+            ConfigError: no source, bad init info, or an invalid ``MX_*`` value.
         """
         if source is None:
             raise ConfigError("the mx backend resends the whole model each round: pass "
@@ -219,7 +219,7 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
         from modelexpress.local import LocalOptions
         from modelexpress.settings import MxSettings
 
-        settings = MxSettings()
+        settings = MxSettings.load()
         pool = None
         if init_info.rank < init_info.shards:
             if mx_client is None:
