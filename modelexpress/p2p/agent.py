@@ -321,6 +321,7 @@ class Agent(Closeable):
                                  refuse_slow_transport=opts.pull.refuse_slow_transport,
                                  advertise=lambda done, total: tracker.report(done, total,
                                                                               force=True),
+                                 publish=relay.advance if relay is not None else None,
                                  local=self._local_readers(),
                                  local_group_bytes=opts.pull.chunk_bytes)
             own = tuple(h.worker_id for h in self.served)

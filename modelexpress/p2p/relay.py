@@ -15,20 +15,40 @@ server's planner, :mod:`~modelexpress.p2p.relay_plan`):
   path, each only once that holder advertises it, and advertises its own progress.
 
 What a holder advertises is a **watermark**: a byte offset into the manifest-order
-concatenation of the tensors, below which it holds every byte, reported as the
-transfer's ``bytes_done`` (a background thread pushes each advance at once: the read
-loop never waits on HTTP). A reader cuts the destination into pieces of at most
-``MX_RELAY_CHUNK_BYTES`` (a large tensor is several pieces: an embedding that is half
-of a model must not stall a chain for half a model) and reads every piece below its
-holder's watermark in one NIXL READ. A tensor is checked against the origin's digest
-when its last piece lands, and the watermark passes a tensor's end only once it is
+concatenation of the tensors, below which it holds every byte. A reader cuts the
+destination into pieces of at most ``MX_RELAY_CHUNK_BYTES`` (a large tensor is several
+pieces: an embedding that is half of a model must not stall a chain for half a model)
+and reads every piece below its holder's watermark in one NIXL READ.
+
+How the watermark travels: **peer to peer, one-sided**. A relay keeps it in a 16-byte
+word of host memory registered with its own NIXL agent (``mark``, ``mark ^ key``), whose
+address it publishes in its manifest's attributes (``relay_watermark``); a reader that
+loaded the relay's agent metadata to read its pieces prepares one READ of that word
+(:class:`~modelexpress.transfer.remote_word.RemoteWord`) and re-posts it while it waits,
+polling tightly after the holder advanced and backing off (up to a few ms) while it is
+starved. A word READ that catches the relay mid-write sees the two halves disagree and
+keeps the mark it had; a relay that withdraws writes a withdrawn mark before its memory
+goes. The control plane stays the fallback and the record: the watermark is also pushed
+as the transfer's ``bytes_done`` (a background thread, coalesced; progress and REST see
+it), a reader polls that record once a second for the holder's state, and follows it
+alone for a holder that publishes no word. Rejected: NIXL notifications
+(``send_notif``/``get_new_notifs``) pushed by the relay at each advance. They would
+make the passive side active (the relay would have to load every reader's metadata, a
+second exchange through the server, and send N notifications per piece), they arrive
+through the receiving agent's progress loop, which the agent's pulls and fan-out
+sources share (routing them to the right reader is one more protocol), and a lost or
+late one must still be covered by polling. A READ of the word costs the relay no CPU,
+works for any number of readers it does not know, and its failure is the same signal as
+a failed piece READ: the holder is gone.
+
+A tensor is checked against the origin's digest when its last piece lands, and the watermark passes a tensor's end only once it is
 verified: the only unverified bytes a relay ever advertises are the landed pieces of
 the tensor it is receiving, which its readers verify themselves when they have it all.
 A relay's destination is one slab in manifest order and it reads in that order, so
 its watermark grows piece by piece.
 
-Faults. A holder is left for the next one on the path when its READ fails or stalls
-(``MX_TRANSFER_STALL_S``), when its transfer ended FAILED or STOPPED, when its relay
+Faults. A holder is left for the next one on the path when its READ (of pieces or of
+its word) fails or stalls (``MX_TRANSFER_STALL_S``), when its word says it withdrew, when its transfer ended FAILED or STOPPED, when its relay
 source is STALE or gone (a killed relay's guardian marks it STALE at once), or when
 its watermark has not advanced for twice the stall time (its own upstream may have
 died: it gets one stall time to move on itself first, so one death does not cascade
@@ -66,6 +86,7 @@ if TYPE_CHECKING:
     from modelexpress.p2p.readers import ReaderFactory
     from modelexpress.p2p.source import SourceHandle
     from modelexpress.transfer import Manifest, NixlTransferManager, StopSignal, TransferResult
+    from modelexpress.transfer.remote_word import RemoteWord
 
 __all__ = ["RelayServer", "RelayReader", "relay_worker_id", "relay_source_id"]
 
@@ -75,6 +96,18 @@ _POLL_S = 0.01           # re-read a starved upstream's watermark this often
 _STATE_EVERY_S = 1.0     # ...and its relay source's state this often
 _STILL_WAITING_EVERY_S = 10.0
 _ORIGIN_RETRIES = 2      # READs of the origin (last on every path) that may fail and be retried
+_WORD_POLL_MIN_S = 0.0002   # watermark word: first wait after a poll that found nothing new
+_WORD_POLL_MAX_S = 0.005    # ...doubling to this while the upstream has nothing new
+_WORD_DEADLINE_S = 5.0      # one watermark READ (or MX_TRANSFER_STALL_S when shorter)
+
+WATERMARK_ATTRIBUTE = "relay_watermark"  # manifest attribute: {"addr": int, "bytes": 16}
+_WORD_BYTES = 16
+_WITHDRAWN = (1 << 64) - 1  # the mark of a relay that withdrew
+_CHECK_KEY = 0x6D782D72656C6179  # "mx-relay": the check word is mark ^ key
+
+
+def _check(mark: int) -> int:
+    return mark ^ _CHECK_KEY
 
 
 def relay_worker_id(target_worker: str, transfer_id: str) -> str:
@@ -110,22 +143,54 @@ class RelayServer:
     def __init__(self, client: "MxClient", identity: "ModelIdentity",
                  dest: Mapping[str, "torch.Tensor"], origin: "Manifest", *, worker_id: str,
                  heartbeat_interval_s: float, backend: str) -> None:
+        import numpy as np
+        import torch
+
         from modelexpress.p2p.source import serve_source
+        from modelexpress.transfer import NixlTransferManager
 
         self.dest = dest
         self.origin = origin
+        self.total = sum(e.nbytes for e in origin.tensors if e.name in dest)
         self._lock = threading.Lock()
         digests = {e.name: e.digest for e in origin.tensors
                    if e.digest is not None and e.name in dest}
         t0 = time.perf_counter()
+        # The watermark word (module docstring): registered with the relay's own agent
+        # before its metadata is published, so a reader that loaded the metadata can
+        # READ it; its address travels in the manifest's attributes.
+        self._word = np.zeros(_WORD_BYTES // 8, dtype=np.uint64)
+        self._word[:] = (0, _check(0))
+        manager = NixlTransferManager(backend=backend)
+        try:
+            manager.register_tensors({"mx-relay-watermark": torch.from_numpy(self._word)})
+        except BaseException:
+            manager.close()
+            raise
         self.handle: "SourceHandle | None" = serve_source(
-            identity, dest, client=client, worker_id=worker_id,
+            identity, dest, client=client, manager=manager, own_manager=True,
+            worker_id=worker_id,
             heartbeat_interval_s=heartbeat_interval_s, guardian=True, backend=backend,
             digests=origin.digest_algorithm is not None and len(digests) == len(dest),
             digest_algorithm=origin.digest_algorithm, known_digests=digests,
+            attributes={WATERMARK_ATTRIBUTE: {"addr": int(self._word.ctypes.data),
+                                              "bytes": _WORD_BYTES}},
             state="INITIALIZING")
         log.info("relay source %s serving the chunks of %s as they arrive (published in "
                  "%.3f s)", self.handle.source_id, identity.model, time.perf_counter() - t0)
+
+    def advance(self, mark: int) -> None:
+        """Advertise that every byte below ``mark`` (manifest order) landed and is
+        verified, to readers polling the watermark word. Called by the read loop only
+        after that is true (:class:`RelayReader`'s ``publish``)."""
+        # One 16-byte copy: the mark and its check; a reader that catches the copy half
+        # done sees them disagree and keeps the mark it had.
+        self._word[:] = (mark, _check(mark))
+
+    def _withdraw_word(self) -> None:
+        # ORDER: before the memory is deregistered: a reader polling now learns the relay
+        # withdrew from the word itself, before its READs start failing.
+        self._word[:] = (_WITHDRAWN, _check(_WITHDRAWN))
 
     @property
     def source_id(self) -> str:
@@ -151,6 +216,7 @@ class RelayServer:
             if bad:
                 log.error("relay source %s: %d tensors no longer match the origin's digests "
                           "(e.g. %s); withdrawn", handle.source_id, len(bad), bad[:3])
+                self._withdraw_word()
                 handle.close()
                 return None
         try:
@@ -158,6 +224,7 @@ class RelayServer:
         except MxError as exc:
             log.warning("relay source %s could not become READY: %s; withdrawn",
                         handle.source_id, exc)
+            self._withdraw_word()
             handle.close()
             return None
         return handle
@@ -168,6 +235,7 @@ class RelayServer:
         with self._lock:  # the agent's close and a lingering relay's thread may race
             handle, self.handle = self.handle, None
         if handle is not None:
+            self._withdraw_word()
             handle.close()  # STALE first: a reader polling now leaves it
             try:
                 handle.client.delete_source(handle.source_id)
@@ -359,7 +427,10 @@ class _Holder:
         self.mark = 0
         self.advanced = time.monotonic()
         self.state_checked = 0.0
+        self.polled = 0.0  # when its transfer record was last read
         self.pieces: "Manifest | None" = None  # its manifest cut into _Pieces
+        self.word: "RemoteWord | None" = None  # its watermark word, once connected
+        self.wait_s = _WORD_POLL_MIN_S  # next sleep while it has nothing new
 
 
 class RelayReader:
@@ -378,6 +449,8 @@ class RelayReader:
             fell back is left, like a failed one).
         advertise: ``advertise(watermark, total)``, called from a background thread
             whenever the verified prefix grows (the agent forces a progress report).
+        publish: ``publish(watermark)``, called from the read loop itself whenever the
+            verified prefix grows (:meth:`RelayServer.advance`: the watermark word).
         local: the local transport's reader factory: a complete holder on this host is
             copied through it instead of a NIXL READ, ``local_group_bytes`` of whole
             tensors per copy (``MX_TRANSFER_CHUNK_BYTES``), each advertised when verified.
@@ -388,6 +461,7 @@ class RelayReader:
                  identity_id: str, chunk_bytes: int, stall_s: float, verify: bool,
                  refuse_slow_transport: bool = False,
                  advertise: Callable[[int, int], None] | None = None,
+                 publish: Callable[[int], None] | None = None,
                  local: "ReaderFactory | None" = None, local_group_bytes: int = 1 << 30
                  ) -> None:
         self.client = client
@@ -400,6 +474,7 @@ class RelayReader:
         self.verify = verify
         self.refuse_slow_transport = refuse_slow_transport
         self.advertise = advertise
+        self.publish = publish
         self.local = local
         self.local_group_bytes = local_group_bytes
         self.path = [_Holder(ref) for ref in path]
@@ -412,13 +487,30 @@ class RelayReader:
 
     # -- holders ------------------------------------------------------------------
     def _watermark(self, h: _Holder, total: int) -> int:
-        """Bytes of the prefix ``h`` advertises; raises PeerError when it is gone."""
+        """Bytes of the prefix ``h`` advertises; raises PeerError when it is gone.
+
+        Its watermark word (one-sided READ) when it has one; its transfer record on the
+        control plane once a second then (for its state: ended, STALE, gone), and at
+        every call before (the fallback: a relay without a word, or not yet connected).
+        """
         if h.kind == "source":
             return total
+        now = time.monotonic()
+        mark = h.mark
+        if h.word is None or now - h.polled > _STATE_EVERY_S:
+            mark = max(mark, self._record_mark(h, total, now))
+        if h.word is not None and mark < total:
+            mark = max(mark, self._word_mark(h, total))
+        if mark > h.mark:
+            h.mark, h.advanced = mark, now
+        return h.mark
+
+    def _record_mark(self, h: _Holder, total: int, now: float) -> int:
+        """``h``'s watermark as its transfer record says (its ``bytes_done``)."""
+        h.polled = now
         t = self.client.get_transfer(h.ident)
         if t.state in ("FAILED", "STOPPED"):
             raise PeerError(f"its transfer ended {t.state}")
-        now = time.monotonic()
         if h.info is None or now - h.state_checked > _STATE_EVERY_S:
             h.state_checked = now
             sid = relay_source_id(self.identity_id, relay_worker_id(t.target_worker, t.id))
@@ -433,10 +525,35 @@ class RelayReader:
             if h.info is None:
                 self._check_manifest(h, info)
                 self._connect(h)  # now, not when its first piece is advertised: off the pipeline
-        mark = total if t.state == "SUCCEEDED" else min(int(t.bytes_done), total)
-        if mark > h.mark:
-            h.mark, h.advanced = mark, now
-        return h.mark
+                self._watch(h)
+        return total if t.state == "SUCCEEDED" else min(int(t.bytes_done), total)
+
+    def _watch(self, h: _Holder) -> None:
+        """Prepare the READ of ``h``'s watermark word, when its relay publishes one."""
+        assert h.manifest is not None and h.peer is not None
+        spec = h.manifest.attributes.get(WATERMARK_ATTRIBUTE)
+        if not isinstance(spec, dict) or spec.get("bytes") != _WORD_BYTES:
+            log.info("relay: %s publishes no watermark word; following its transfer record",
+                     h.ref)
+            return
+        try:
+            h.word = self.manager.watch_word(h.peer, int(spec["addr"]), _WORD_BYTES)
+        except MxError as exc:
+            log.warning("relay: cannot read %s's watermark word (%s); following its transfer "
+                        "record", h.ref, exc)
+
+    def _word_mark(self, h: _Holder, total: int) -> int:
+        """``h``'s watermark as its word says (PeerError: it withdrew, or the READ failed)."""
+        assert h.word is not None
+        limit = min(_WORD_DEADLINE_S, self.stall_s) if self.stall_s > 0 else _WORD_DEADLINE_S
+        mark, check = h.word.read(limit)
+        if check != _check(mark):
+            return h.mark  # read while the relay was writing it: the next poll sees it whole
+        if mark == _WITHDRAWN:
+            raise PeerError("it withdrew its relay source (its watermark word says so)")
+        if mark > total:
+            raise PeerError(f"its watermark word says {mark} of {total} bytes")
+        return mark
 
     def _check_manifest(self, h: _Holder, info: "SourceInfo") -> None:
         from modelexpress.p2p.target import manifest_of
@@ -458,6 +575,7 @@ class RelayReader:
 
     def _disconnect(self) -> None:
         for h in self.path:
+            h.word = None  # closed with its peer
             if h.peer is not None:
                 self.manager.remove_peer(h.peer)
                 h.peer = None
@@ -482,6 +600,11 @@ class RelayReader:
 
         def advanced(mark: int) -> None:
             state["mark"] = mark
+            # ORDER: ``mark`` comes from _Pieces only after every piece below it landed
+            # (its READ completed) and every tensor below it was verified; the word is
+            # written after that, never before, and nothing writes below it again.
+            if self.publish is not None:
+                self.publish(mark)
             if adv is not None:
                 adv.set(mark)
             progress(mark, total)
@@ -525,8 +648,15 @@ class RelayReader:
                             log.info("relay: still waiting for %s to advertise more than %d of "
                                      "%d bytes", h.ref, mark, total)
                             last_log = now
-                        time.sleep(_POLL_S)
+                        if h.word is None:
+                            time.sleep(_POLL_S)  # each poll is an HTTP request to the server
+                        else:
+                            # A word READ costs the upstream nothing but its NIC: poll
+                            # tightly after it advanced, backing off while it is starved.
+                            time.sleep(h.wait_s)
+                            h.wait_s = min(2 * h.wait_s, _WORD_POLL_MAX_S)
                         continue
+                    h.wait_s = _WORD_POLL_MIN_S
                     assert h.manifest is not None and h.info is not None
                     whole = pieces.whole_tensors(todo)
                     copied = (self._read_locally(h, {n_: dest[n_] for n_ in whole}, stop, end,
@@ -568,6 +698,7 @@ class RelayReader:
                     log.warning("relay: leaving holder %s (%d of %d bytes verified so far): "
                                 "%s", h.ref, state["mark"], total, why)
                     self.gave_up.append(why)
+                    h.word = None  # closed with its peer
                     if h.peer is not None:
                         self.manager.remove_peer(h.peer)
                         h.peer = None

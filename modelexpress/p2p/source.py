@@ -153,6 +153,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                  local: "LocalOptions | None" = None,
                  host_buffers: Sequence["HostBuffer"] = (),
                  own_host_buffers: bool = True,
+                 own_manager: bool | None = None,
                  state: Literal["INITIALIZING", "READY"] = "READY") -> SourceHandle:
     """Register ``tensors`` with NIXL and publish them as a READY source.
 
@@ -192,6 +193,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
             handle closes them when it closes (views of them keep their pages).
         own_host_buffers: False: the caller keeps ``host_buffers`` open after the
             handle closes (a pool that serves version after version from them).
+        own_manager: the handle closes ``manager`` when it closes (None: only a manager
+            made here; a fleet relay passes the one it registered its watermark with).
         state: INITIALIZING publishes memory still being filled, which no pull ranks
             (a fleet relay, :mod:`~modelexpress.p2p.relay`); heartbeats keep the state
             until the caller moves it to READY.
@@ -205,7 +208,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
     """
     from modelexpress.transfer import NixlTransferManager
 
-    owns = manager is None
+    owns = manager is None if own_manager is None else own_manager
     mgr = manager or NixlTransferManager(backend=backend)
     local_source = None
     try:

@@ -50,6 +50,7 @@ from modelexpress.transfer.nixl_adapter import NixlAgent
 from modelexpress.transfer.observer import TransportObserver
 from modelexpress.transfer.planner import ReadPlan, RegionIndex, plan_read
 from modelexpress.transfer.read_loop import ProgressCallback, ReadLoop, StopSignal, stopped
+from modelexpress.transfer.remote_word import RemoteWord
 from modelexpress.transfer.registration import (
     ArenaLike,
     Region,
@@ -164,6 +165,7 @@ class NixlTransferManager(ClosedOnCollect):
         self._observer = TransportObserver(self._agent.name, self._agent.backend)
         self._registrations: list[tuple[str, list[Region], Any]] = []  # (mem, regions, handle)
         self._peers: set[str] = set()
+        self._words: list[RemoteWord] = []  # closed with their peer or the manager
         self._progress_stop = threading.Event()
         self._progress_thread: threading.Thread | None = None
         self._notifs: list[tuple[str, bytes]] = []
@@ -327,9 +329,34 @@ class NixlTransferManager(ClosedOnCollect):
     def remove_peer(self, peer: str) -> None:
         """Disconnect from a peer. Unknown names are ignored (idempotent)."""
         if peer in self._peers:
+            self._close_words(peer)
             self._peers.discard(peer)
             self._observer.forget(peer)
             self._agent.remove_peer(peer)
+
+    def watch_word(self, peer: str, addr: int, nbytes: int) -> RemoteWord:
+        """A prepared READ of ``nbytes`` of ``peer``'s registered host memory at ``addr``,
+        to be posted again and again (:class:`~.remote_word.RemoteWord`; a fleet relay's
+        watermark). Closed with the peer (:meth:`remove_peer`) or the manager.
+
+        Raises:
+            PeerError: ``peer`` was not added.
+            TransferError: NIXL refused the registration or the request.
+        """
+        if peer not in self._peers:
+            raise PeerError(f"peer {peer!r} is not known to agent {self.name}; add it first")
+        word = RemoteWord(self._agent, peer, addr, nbytes)
+        self._words.append(word)
+        return word
+
+    def _close_words(self, peer: str | None) -> None:
+        keep = []
+        for word in self._words:
+            if peer is None or word.peer == peer:
+                word.close()  # ORDER: before the peer goes (its request names the peer)
+            else:
+                keep.append(word)
+        self._words = keep
 
     # -- serving (passive side) ---------------------------------------------------------
     def progress_once(self) -> dict[str, list[bytes]]:
@@ -574,6 +601,7 @@ class NixlTransferManager(ClosedOnCollect):
             self.stop_progress_thread()
         finally:
             try:
+                self._close_words(None)
                 for peer in sorted(self._peers):
                     try:
                         self._agent.remove_peer(peer)
