@@ -3,9 +3,10 @@
 A pull checks every tensor's digest where the tensor lives, so a digest slower than
 the link bounds the pull. This prints GB/s for each algorithm that can run here
 (``xxh3-128`` and ``blake2b-128`` on CPU tensors, ``wsum-i32-v1`` on CPU and, with
-``--gpu``, on cuda:0, in both its forms: the one-pass Triton kernel and torch ops,
-plus a batch of 248 mixed-size tensors as one chunk of a pull digests them) and its
-ratio to a copy of the same buffer on the same device.
+``--gpu``, on cuda:0, in each of its forms: the shipped kernel loaded through the
+driver, the one-pass Triton kernel and torch ops, plus a batch of 248 mixed-size
+tensors as one chunk of a pull digests them, with the shipped and the Triton kernel)
+and its ratio to a copy of the same buffer on the same device.
 
 Usage: python bench/digest.py [--quick] [--gpu] [--mib N]
 Prints one line per measurement, then ONE JSON object on the last line.
@@ -57,15 +58,17 @@ def main() -> None:
         for algo in digest.ALGORITHMS:
             if not digest.can_compute(algo, buf):
                 continue
-            # On a GPU, wsum's two forms (one-pass Triton kernel, torch ops) are
-            # measured apart; "auto" is what a pull uses.
-            impls = ["auto", "torch", "triton"] if algo == digest.WSUM and tag == "gpu" \
-                else ["auto"]
+            # On a GPU, wsum's forms (shipped kernel, one-pass Triton kernel, torch
+            # ops) are measured apart; "auto" is what a pull uses.
+            impls = ["auto", "cuda", "torch", "triton"] \
+                if algo == digest.WSUM and tag == "gpu" else ["auto"]
             for impl in impls:
                 if impl == "triton":  # first call in this process: kernel load/compile
                     t0 = time.perf_counter()
                     try:
-                        digest.prepare(algo, [buf])
+                        digest.digest_many([buf], algo, impl="triton")
+                    except Exception:  # noqa: BLE001 - reported below as cannot run
+                        pass
                     finally:
                         out["triton_first_call_s"] = time.perf_counter() - t0
                     print(f"{device}: first Triton call (load or compile) "
@@ -89,12 +92,18 @@ def main() -> None:
             parts = [torch.randint(-128, 127, (n,), dtype=torch.int8, device=device)
                      for n in sizes]
             total = sum(sizes)
-            seconds = _best(lambda: digest.digest_many(parts, digest.WSUM), repeat, sync)
-            out["gbps_wsum_batch_gpu"] = total / seconds / 1e9
             out["batch_tensors"] = len(parts)
-            print(f"{device}: {digest.WSUM} batch of {len(parts)} tensors "
-                  f"({total / 2**20:.0f} MiB): {out['gbps_wsum_batch_gpu']:.2f} GB/s",
-                  file=sys.stderr)
+            for impl, key in (("auto", "gbps_wsum_batch_gpu"),
+                              ("triton", "gbps_wsum_batch_triton_gpu")):
+                try:
+                    seconds = _best(lambda: digest.digest_many(parts, digest.WSUM, impl=impl),
+                                    repeat, sync)
+                except Exception as exc:  # noqa: BLE001 - report a form that cannot run
+                    print(f"{device}: batch ({impl}) cannot run: {exc}", file=sys.stderr)
+                    continue
+                out[key] = total / seconds / 1e9
+                print(f"{device}: {digest.WSUM} ({impl}) batch of {len(parts)} tensors "
+                      f"({total / 2**20:.0f} MiB): {out[key]:.2f} GB/s", file=sys.stderr)
     print(json.dumps(out))
 
 

@@ -45,16 +45,23 @@ runs, on a shared CI machine the steadier figure). Cases ``1gib``
 ``--gpu-first`` (GPU): first vs later verified pull in fresh processes. A source
 process serves ``--layers`` layers of the 70B TP=8 rank on cuda:0; each target is a
 fresh process that pulls three times onto cuda:0 (``modelexpress.local.pull``,
-digests verified), in two modes: ``auto`` (the code as shipped: the digest kernel
-builds on a background thread, digests use the torch form until it is ready) and
-``inline`` (the code before issue #24: the first verification waits for the kernel,
-``impl="triton"``); each with an empty Triton cache (``TRITON_CACHE_DIR`` fresh) and
-with a warm one. The later pulls start once the build is done (the target waits
-for it, untimed, as a pull a few seconds later finds it). Reported per target: each
-pull's seconds, copy and verify phases, the kernel's state and build time;
-``first_over_later`` is the first pull's seconds
-over the median of the later ones, and ``first_verify_within`` checks the issue's
-bound (first verification within max(2 x data plane, 50 ms)).
+digests verified), in three modes: ``auto`` (the code as shipped: the pull loads the
+shipped digest kernel through the driver as it starts), ``triton-bg`` (issue #24's
+first fix: no shipped kernel, the Triton kernel builds on a background thread and
+digests use the torch form until it is ready) and ``inline`` (the code before issue
+#24: the first verification waits for the Triton kernel, ``impl="triton"``); each with
+empty caches (``TRITON_CACHE_DIR`` and the driver's PTX cache ``CUDA_CACHE_PATH``
+fresh: a machine's first engine) and with warm ones. The later pulls start once any
+build is done (the target waits for it, untimed, as a pull a few seconds later finds
+it). Reported per target: each pull's seconds, every phase of ``pull()``, the time
+outside them, the digest form that verified it (``verified_by``), the kernel's state
+and build time; ``first_over_later`` is the first pull's seconds over the median of
+the later ones (``first_verify_over_later`` the same for verification), and
+``first_verify_within`` checks the issue's bound (first verification within max(2 x
+data plane, 50 ms)). Before the targets, a probe times first-call costs one by one in
+fresh processes (CUDA context, cuda-python import, device UUIDs, stream creation, the
+shipped kernel's load and first call): as loaded (the fatbin), and its PTX alone with
+an empty and with a warm driver cache.
 
 Prints one line per result and ONE JSON object on the last line.
 Usage: python bench/local.py [--layers 80] [--repeat 3] [--arena off,on] [--dst cuda:0,cuda:1]
@@ -546,6 +553,9 @@ def host_main(args: argparse.Namespace) -> None:
 
 
 # -- --gpu-first: first vs later verified pull in fresh processes --------------------------
+GPU_MODES = ("auto", "triton-bg", "inline")
+
+
 def gpu_target(args: argparse.Namespace) -> None:
     """One fresh target process of --gpu-first: three verified pulls, one JSON line."""
     t_start = time.perf_counter()
@@ -554,12 +564,18 @@ def gpu_target(args: argparse.Namespace) -> None:
     from modelexpress.local import LocalEndpoint, pull
     from modelexpress.transfer import digest
     from modelexpress.transfer.manifest import Manifest
+    if args.gpu_target == "triton-bg":
+        # Issue #24's first fix, for comparison: no shipped kernel (bench-only: as where
+        # the driver refuses it), the Triton build in the background, the torch form
+        # until it is ready.
+        digest._cuda_refused = "disabled by bench/local.py --gpu-first (mode triton-bg)"
     info = json.load(open(args.info))
     endpoint = LocalEndpoint.from_json(info["endpoint"])
     manifest = Manifest.from_json(info["manifest"])
     torch.cuda.set_device(0)
     dest = _allocate(_shapes(args.layers), "cuda:0")
     torch.cuda.synchronize()
+    t_ready = time.perf_counter()
     pulls = []
     build_wait_s = 0.0
     for i in range(3):
@@ -568,6 +584,7 @@ def gpu_target(args: argparse.Namespace) -> None:
             digest.wait_for_builds()
             build_wait_s = time.perf_counter() - tw
         state = digest.kernel_state("cuda:0")
+        used = digest.forms_used()
         t0 = time.perf_counter()
         if args.gpu_target == "inline" and i == 0:
             # Before issue #24: the first verification waited for the kernel.
@@ -582,20 +599,62 @@ def gpu_target(args: argparse.Namespace) -> None:
             r = pull(endpoint, manifest, dest, verify=True)
             seconds = time.perf_counter() - t0
             verify_s = r.phases["verify"]
-        pulls.append({"seconds": round(seconds, 4), "copy_s": round(r.phases["copy"], 4),
-                      "verify_s": round(verify_s, 4), "kernel_at_start": state,
+        phases = {k: round(v, 4) for k, v in r.phases.items()}
+        phases["verify"] = round(verify_s, 4)
+        now = digest.forms_used()
+        pulls.append({"seconds": round(seconds, 4), "copy_s": phases.get("copy", 0.0),
+                      "verify_s": phases["verify"], "phases": phases,
+                      "outside_phases_s": round(seconds - sum(phases.values()), 4),
+                      "verified_by": {k: n - used.get(k, 0) for k, n in now.items()
+                                      if n != used.get(k, 0)},
+                      "kernel_at_start": state,
                       "kernel_at_end": digest.kernel_state("cuda:0")})
     build = digest._builds.get("cuda:0")  # bench-only peek: how long the build took
-    print(json.dumps({"mode": args.gpu_target, "bytes": manifest.total_bytes,
+    from modelexpress.transfer import _wsum_cuda
+    print(json.dumps({"mode": args.gpu_target, "kernel_image": _wsum_cuda.image_of(0),
+                      "bytes": manifest.total_bytes,
                       "tensors": len(manifest.tensors), "pulls": pulls,
                       "build_s": round(build.seconds, 3) if build else None,
                       "build_wait_after_first_s": round(build_wait_s, 3),
+                      "setup_s": round(t_ready - t_start, 3),
                       "process_s": round(time.perf_counter() - t_start, 3)}), flush=True)
+
+
+_PROBE = r"""
+import json, sys, time
+t = {}
+t0 = time.perf_counter(); import torch; t["import_torch"] = time.perf_counter() - t0
+t0 = time.perf_counter(); torch.cuda.init(); torch.zeros(1, device="cuda:0")
+torch.cuda.synchronize(); t["cuda_context"] = time.perf_counter() - t0
+t0 = time.perf_counter(); import cuda.bindings.driver; t["import_cuda_bindings"] = time.perf_counter() - t0
+from modelexpress.local.devices import CudaDevices
+t0 = time.perf_counter(); CudaDevices().uuids(); t["device_uuids"] = time.perf_counter() - t0
+t0 = time.perf_counter(); s = [torch.cuda.Stream(0) for _ in range(4)]; t["streams_4"] = time.perf_counter() - t0
+from modelexpress.transfer import _wsum_cuda
+images = tuple(sys.argv[1].split(","))
+t0 = time.perf_counter(); _wsum_cuda.load(0, images); t["shipped_kernel_load"] = time.perf_counter() - t0
+t["image"] = _wsum_cuda.image_of(0)
+x = torch.ones(1 << 20, dtype=torch.uint8, device="cuda:0")
+t0 = time.perf_counter(); _wsum_cuda.wsum_batch([x]); t["shipped_kernel_first_call"] = time.perf_counter() - t0
+t0 = time.perf_counter(); _wsum_cuda.wsum_batch([x]); t["shipped_kernel_second_call"] = time.perf_counter() - t0
+print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in t.items()}))
+"""
+
+
+def _gpu_probe(env: dict[str, str], images: str) -> dict[str, Any]:
+    """First-call costs in a fresh process, one by one (what a first pull may pay)."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE, images], env=env,
+                          stdout=subprocess.PIPE, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"probe exited {proc.returncode}")
+    return json.loads(lines[-1])
 
 
 def gpu_first_main(args: argparse.Namespace) -> None:
     import torch
     out: list[dict[str, Any]] = []
+    probes: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="mxl-gpu1-") as tmp:
         info_path = os.path.join(tmp, "info.json")
         proc = subprocess.Popen([sys.executable, __file__, "--serve", "--info", info_path,
@@ -608,35 +667,57 @@ def gpu_first_main(args: argparse.Namespace) -> None:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"source failed (exit {proc.poll()})")
                 time.sleep(0.1)
-            warm_cache = os.path.join(tmp, "triton-warm")
+            # "empty": Triton's cache and the driver's PTX cache both new; "warm": both
+            # filled by an earlier process (a machine's later engines)
+            warm = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton-warm"),
+                        CUDA_CACHE_PATH=os.path.join(tmp, "cuda-warm"))
+            # the shipped kernel as loaded (the fatbin where it has this GPU's code), then
+            # its PTX alone with an empty driver cache and with the cache that filled
+            for name, images, cache in (("auto", "fatbin,ptx", "probe-a"),
+                                        ("ptx_cache_empty", "ptx", "probe-p"),
+                                        ("ptx_cache_warm", "ptx", "probe-p")):
+                env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, f"triton-{cache}"),
+                           CUDA_CACHE_PATH=os.path.join(tmp, f"cuda-{cache}"))
+                probes[name] = _gpu_probe(env, images)
+                print(f"first-call costs ({name}): {probes[name]}", flush=True)
             for trial in range(args.trials):
-                for mode in ("auto", "inline"):
+                for mode in GPU_MODES:
                     for cache in ("empty", "warm"):
-                        env = dict(os.environ, TRITON_CACHE_DIR=(
-                            os.path.join(tmp, f"triton-empty-{trial}-{mode}")
-                            if cache == "empty" else warm_cache))
-                        if cache == "warm" and not os.path.isdir(warm_cache):
-                            _gpu_target_run(args, info_path, env, "auto")  # fills it
+                        env = warm if cache == "warm" else dict(
+                            os.environ,
+                            TRITON_CACHE_DIR=os.path.join(tmp, f"triton-empty-{trial}-{mode}"),
+                            CUDA_CACHE_PATH=os.path.join(tmp, f"cuda-empty-{trial}-{mode}"))
+                        if cache == "warm" and not os.path.isdir(warm["TRITON_CACHE_DIR"]):
+                            _gpu_target_run(args, info_path, env, "triton-bg")  # fills both
+                            _gpu_target_run(args, info_path, env, "auto")
                         r = _gpu_target_run(args, info_path, env, mode)
                         first, later = r["pulls"][0], r["pulls"][1:]
                         later_s = _median([p["seconds"] for p in later])
                         r.update(trial=trial, cache=cache,
                                  first_over_later=round(first["seconds"] / later_s, 2),
+                                 first_verify_over_later=round(first["verify_s"] / _median(
+                                     [p["verify_s"] for p in later]), 2),
                                  first_verify_within=first["verify_s"] <= max(
                                      2 * first["copy_s"], 0.05))
-                        print(f"mode={mode} triton cache={cache} trial {trial}: "
+                        print(f"mode={mode} caches={cache} trial {trial}: "
                               f"{r['bytes'] / 1e9:.2f} GB {r['tensors']} tensors | pulls "
                               + ", ".join(f"{p['seconds']} s (copy {p['copy_s']}, verify "
-                                          f"{p['verify_s']}, kernel {p['kernel_at_start']}->"
-                                          f"{p['kernel_at_end']})" for p in r["pulls"])
-                              + f" | first/later {r['first_over_later']} | first verify within "
-                              f"max(2x copy, 50 ms): {r['first_verify_within']} | build "
-                              f"{r['build_s']} s", flush=True)
+                                          f"{p['verify_s']} by {p['verified_by']}, kernel "
+                                          f"{p['kernel_at_start']}->{p['kernel_at_end']})"
+                                          for p in r["pulls"])
+                              + f" | first/later {r['first_over_later']}, first verify/later "
+                              f"{r['first_verify_over_later']} | first verify within max(2x "
+                              f"copy, 50 ms): {r['first_verify_within']} | first pull phases "
+                              f"{first['phases']} + {first['outside_phases_s']} s outside | "
+                              f"later {later[0]['phases']} | build {r['build_s']} s | "
+                              f"shipped kernel image {r['kernel_image']}",
+                              flush=True)
                         out.append(r)
         finally:
             _stop(proc)
     print(json.dumps({"bench": "local", "mode": "gpu-first", "layers": args.layers,
-                      "gpu": torch.cuda.get_device_name(0), "results": out}))
+                      "gpu": torch.cuda.get_device_name(0), "probes": probes,
+                      "results": out}))
 
 
 def _gpu_target_run(args: argparse.Namespace, info_path: str, env: dict[str, str],

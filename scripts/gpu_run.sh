@@ -124,11 +124,15 @@ PY
     digest)
       python3 bench/digest.py --gpu 2>&1 | tee "$OUT/bench_digest_gpu.log" | tail -8
       ;;
-    local-first)  # issue #24: the digest kernel off the first pull's critical path
-      python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/transfer/test_digest_warmup.py \
-        tests/local 2>&1 | tee "$OUT/pytest_gpu_local_first.log" | tail -20
-      python3 bench/local.py --gpu-first --layers 28 --trials 2 2>&1 \
-        | tee "$OUT/bench_local_gpu_first.log" | tail -12
+    local-first)  # issue #24: the first pull of a process verifies at the later pulls' speed
+      python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/transfer/test_wsum_cuda.py \
+        tests/transfer/test_digest_warmup.py tests/transfer/test_gpu.py 2>&1 \
+        | tee "$OUT/pytest_gpu_digest_first.log" | tail -20
+      python3 bench/local.py --gpu-first --layers 28 --trials ${GPU_FIRST_TRIALS:-2} 2>&1 \
+        | tee "$OUT/bench_local_gpu_first.log" | grep -v '^{' | tail -20
+      python3 bench/digest.py --gpu 2>&1 | tee "$OUT/bench_digest_gpu.log" | tail -12
+      python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/local 2>&1 \
+        | tee "$OUT/pytest_gpu_local_first.log" | tail -20
       ;;
     shm)
       python3 bench/shm_arena.py --gpu 2>&1 | tee "$OUT/bench_shm_gpu.log" | tail -20

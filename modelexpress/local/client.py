@@ -76,8 +76,8 @@ class LocalPullResult:
         tensors: tensors received.
         copies: copy operations issued (after merging contiguous runs).
         segments: segments the source shared, by kind.
-        seconds: the whole pull; ``phases`` splits it (connect+map, plan, copy, verify,
-            close).
+        seconds: the whole pull; ``phases`` splits it (warm-up of the GPU digest kernel,
+            connect+map, plan, copy, verify, close).
         gbps: ``nbytes`` / copy phase (the data plane), GB/s.
         verified: tensors whose digest was checked.
     """
@@ -388,11 +388,15 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
                           "pull each device's tensors separately")
     device = devices.pop() if devices else None
     from modelexpress.transfer.digest import pause_builds, resume_builds, warm_up
-    if verify and device is not None:  # the GPU digest kernel, built once this pull is done
-        warm_up(manifest.digest_algorithm, [f"cuda:{device}"])
-    phases: dict[str, float] = {}
+    # ORDER: paused first: a Triton build that warm_up starts (where the driver refuses
+    # the shipped kernel) must not import Triton beside the connect and the copies
     pause_builds()  # no kernel build step beside the copies (GIL: transfer.digest)
+    t_warm = time.monotonic()
     try:
+        if verify and device is not None:  # the GPU digest kernel, ready before the copies end
+            warm_up(manifest.digest_algorithm, [f"cuda:{device}"])
+        t_conn = time.monotonic()
+        phases: dict[str, float] = {"warm-up": t_conn - t_warm}
         session = LocalSession(endpoint, device=device,
                                timeout_s=min(connect_timeout_s,
                                              max(0.1, deadline - time.monotonic())),
@@ -401,7 +405,7 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
         resume_builds()
         raise
     t_map = time.monotonic()
-    phases["connect+map"] = t_map - t0
+    phases["connect+map"] = t_map - t_conn
     total = sum(p.remote.nbytes for p in pairs)
     n_copies = 0
     try:

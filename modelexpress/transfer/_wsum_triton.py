@@ -16,8 +16,9 @@ interpreter on CI).
 pointers read from memory were not vectorised and it ran at 137 GB/s against
 1.7-2.0 TB/s for this kernel on an H200; bench/digest.py measures this one.)
 
-Imported lazily by ``digest`` only for CUDA tensors and only where Triton is
-installed (it is wherever vLLM runs); without it the torch form is used.
+Imported lazily by ``digest`` only for CUDA tensors where the driver refused the
+shipped kernel (``_wsum_cuda``) and Triton is installed (it is wherever vLLM runs);
+without it the torch form is used.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ _PROGRAMS_PER_SM = 4
 
 
 # Lengths are not specialised: tensors of any size reuse one compiled kernel (per
-# pointer alignment); ``digest.prepare`` loads it before a pull's first chunk.
+# pointer alignment); ``digest.warm_up`` builds it in the background.
 @triton.jit(do_not_specialize=["n_words", "n_tail"])
 def _wsum_kernel(w_ptr, b_ptr, n_words, n_tail, out_ptr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)

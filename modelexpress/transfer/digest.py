@@ -18,32 +18,49 @@ Three algorithms, named in the manifest so that source and target agree:
     byte count. Integer addition is associative modulo 2**64, so the result is exact
     and identical on any device and in any reduction order: a GPU source and a CPU
     target agree bit for bit. It is computed on the tensor's own device (no
-    device-to-host copy of the data: only two int64 scalars come back): on CUDA by a
-    one-pass Triton kernel (:mod:`~modelexpress.transfer._wsum_triton`) where Triton
-    is installed, else with torch ops in bounded chunks so the int64 temporaries stay
-    small. :func:`digest_many` launches a batch and synchronises once. Any single
+    device-to-host copy of the data: only two int64 scalars come back), on CUDA by one
+    of the forms below, on the CPU with torch ops in bounded chunks so the int64
+    temporaries stay small. :func:`digest_many` launches a batch and synchronises once. Any single
     changed word changes ``a`` (|delta| < 2**32 is never 0 mod 2**64); swapped words
     change ``b``.
     It is an integrity check against transfer faults, not a cryptographic hash.
 
-    The Triton kernel is compiled on a machine's first use and loaded once per process
-    and device, which costs far more than a digest (a fresh process's first pull paid
-    it inside verification, issue #24). So it is never built on the critical path:
-    :func:`warm_up` builds it on a background thread (a pull starts it as early as
-    it can), and until it is ready on a device a digest there uses the torch form (no
-    compile; slower per byte, but bounded and the same digest bit for bit)::
+    On CUDA three forms give this digest, tried in order (``impl="auto"``):
 
-        not started ──warm_up()──> warming ──built──> ready    (auto: Triton)
+    1. ``cuda``: a kernel compiled ahead and shipped as PTX
+       (:mod:`~modelexpress.transfer._wsum_cuda`), loaded by the CUDA driver with one
+       call per device and process (the driver caches its translation of the PTX). A
+       pull loads it when it starts (:func:`warm_up`), so a fresh process's first
+       verification runs at the speed of the later ones (issue #24).
+    2. ``triton``: the one-pass Triton kernel, where the driver refuses the PTX (an
+       old driver or GPU). It is compiled on a machine's first use and loaded once per
+       process and device, which costs far more than a digest, so it is never built on
+       the critical path: :func:`warm_up` builds it on a background thread, and until
+       it is ready a digest uses
+    3. ``torch``: torch ops in bounded chunks (no compile; slower per byte, the same
+       digest bit for bit), also where neither kernel can run.
+
+    ::
+
+        cuda kernel:  not loaded ──warm_up() / first digest──> loaded      (auto: cuda)
+                                          └──driver refused──> refused (logged once;
+                                                                the Triton build below)
+        Triton build: not started ──warm_up()──> warming ──built──> ready  (auto: Triton)
              │ auto: torch form       │ auto: torch form
              └────────────────────────┴──failed──> broken      (torch form, logged once)
 
-    A build step (importing Triton, the first launch of a kernel variant) runs a lot of
-    Python; beside it, a pull's many GIL-releasing calls (a torch-form digest launches
-    one op after another, each copy is a driver call) would each wait up to the
-    interpreter's switch interval for the GIL. So no step starts while a pull runs
+    :func:`kernel_state` is ``"ready"`` once either kernel runs on the device;
+    :func:`kernel_form` names the form the next digest there uses and
+    :func:`forms_used` counts the tensors each form digested.
+
+    A Triton build step (importing Triton, the first launch of a kernel variant) runs a
+    lot of Python; beside it, a pull's many GIL-releasing calls (a torch-form digest
+    launches one op after another, each copy is a driver call) would each wait up to
+    the interpreter's switch interval for the GIL. So no step starts while a pull runs
     (:func:`pause_builds` / :func:`resume_builds` around every pull): the build that a
     fresh process's first pull starts runs once that pull is done, and a later pull
     finds the kernel ready. A step already running when a pull starts is not stopped.
+    Loading the ``cuda`` kernel is one driver call, made on the pull's own thread.
 
 The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128``
 (``blake2b-128`` where ``xxhash`` is not installed).
@@ -59,14 +76,14 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from modelexpress.errors import ConfigError
+from modelexpress.errors import BackendError, ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALGORITHMS", "BLAKE2B", "WSUM", "XXH3", "default_algorithm", "digest",
-           "digest_many", "can_compute", "hasher", "kernel_state", "pause_builds", "prepare",
-           "resume_builds", "stream_digest", "wait_for_builds",
+__all__ = ["ALGORITHMS", "BLAKE2B", "IMPLS", "WSUM", "XXH3", "default_algorithm", "digest",
+           "digest_many", "can_compute", "forms_used", "hasher", "kernel_form", "kernel_state",
+           "pause_builds", "prepare", "resume_builds", "stream_digest", "wait_for_builds",
            "warm_up", "warm_up_for"]
 
 log = logging.getLogger(__name__)
@@ -75,6 +92,7 @@ BLAKE2B = "blake2b-128"
 WSUM = "wsum-i32-v1"
 XXH3 = "xxh3-128"
 ALGORITHMS = (BLAKE2B, WSUM, XXH3)
+IMPLS = ("auto", "cuda", "triton", "torch")  # digest_many's impl for wsum-i32-v1
 
 # Words per reduction step: 2**24 int32 words = 64 MiB of input, 128 MiB of int64
 # temporaries. Bounded so a 4 GiB tensor does not need 8 GiB of scratch.
@@ -182,6 +200,48 @@ def _wsum_words(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b += local + s * start
         a += s
     return a, b
+
+
+_cuda_refused: str | None = None  # why the driver refused the shipped kernel, once it did
+_used: dict[str, int] = {}  # form -> tensors it digested in this process (forms_used)
+_used_lock = threading.Lock()
+
+
+def _device_index(device: object) -> int | None:
+    """The CUDA ordinal of ``device`` (a torch device or a name), None for other devices."""
+    import torch
+    dev = device if isinstance(device, torch.device) else torch.device(str(device))
+    if dev.type != "cuda":
+        return None
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def _cuda_ready(index: int) -> bool:
+    """Load the shipped kernel on CUDA device ``index`` if not yet loaded; False (and
+    the refusal logged once) where the driver cannot load it here."""
+    global _cuda_refused
+    from modelexpress.transfer import _wsum_cuda
+    if _wsum_cuda.is_loaded(index):
+        return True
+    if _cuda_refused is not None:
+        return False
+    try:
+        _wsum_cuda.load(index)
+        return True
+    except BackendError as exc:
+        _cuda_refused = str(exc)
+        log.warning("%s digests on the GPU: the shipped kernel cannot run here (%s); using "
+                    "the Triton kernel once built, the torch form until then", WSUM, exc)
+        return False
+
+
+def _cuda_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """(a, b) of each tensor by the shipped kernel, or None where it cannot run."""
+    index = _device_index(raws[0].device)
+    if index is None or not _cuda_ready(index):
+        return None
+    from modelexpress.transfer import _wsum_cuda
+    return _wsum_cuda.wsum_batch(raws)
 
 
 _triton_broken: str | None = None  # why the Triton kernel is not used, once it failed
@@ -326,8 +386,13 @@ def wait_for_builds(timeout_s: float = _WAIT_BUILT_S) -> None:
 
 
 def kernel_state(device: object) -> str:
-    """Where the Triton kernel stands on ``device`` (a CUDA device or its name):
-    ``"not started"``, ``"warming"``, ``"ready"`` or ``"broken"``."""
+    """Where the GPU digest kernels stand on ``device`` (a CUDA device or its name):
+    ``"ready"`` once the shipped kernel is loaded or the Triton one is built there, else
+    the Triton build's ``"not started"``, ``"warming"`` or ``"broken"``."""
+    from modelexpress.transfer import _wsum_cuda
+    index = _device_index(device)
+    if index is not None and _wsum_cuda.is_loaded(index):
+        return "ready"
     if _triton_broken is not None:
         return "broken"
     build = _builds.get(str(device))
@@ -335,6 +400,27 @@ def kernel_state(device: object) -> str:
         return "not started"
     return "ready" if len(build.ready) == 2 else ("warming" if not build.done.is_set()
                                                   else "broken")
+
+
+def kernel_form(device: object) -> str:
+    """The form an ``impl="auto"`` digest on ``device`` uses now, without loading or
+    building anything: ``"cuda"`` (the shipped kernel is loaded), ``"triton"`` (built)
+    or ``"torch"``."""
+    from modelexpress.transfer import _wsum_cuda
+    index = _device_index(device)
+    if index is None:
+        return "torch"
+    if _wsum_cuda.is_loaded(index):
+        return "cuda"
+    build = _builds.get(str(device))
+    return "triton" if build is not None and len(build.ready) == 2 else "torch"
+
+
+def forms_used() -> dict[str, int]:
+    """Tensors digested with ``wsum-i32-v1`` in this process, by form (``"cuda"``,
+    ``"triton"``, ``"torch"``; CPU tensors count as ``"torch"``)."""
+    with _used_lock:
+        return dict(_used)
 
 
 def _triton_batch(raws: list[torch.Tensor], wait: bool = False) -> list[tuple[int, int]] | None:
@@ -406,8 +492,7 @@ def _torch_pairs(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
 
 def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
     """Tensors are grouped by device; each group costs one host synchronisation
-    (with Triton: one kernel launch per tensor into a shared buffer), not one per
-    tensor."""
+    (with a kernel: one launch per tensor into a shared buffer), not one per tensor."""
     raws = [_aligned_bytes(t) for t in tensors]
     by_device: dict[object, list[int]] = {}
     for i, raw in enumerate(raws):
@@ -415,15 +500,25 @@ def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
     pairs: list[tuple[int, int]] = [(0, 0)] * len(raws)
     for device, idx in by_device.items():
         group = [raws[i] for i in idx]
-        got = None
-        if impl != "torch" and getattr(device, "type", "cpu") == "cuda":
-            got = _triton_batch(group, wait=impl == "triton")
+        got, form = None, "torch"
+        on_cuda = getattr(device, "type", "cpu") == "cuda"
+        if on_cuda and impl in ("auto", "cuda"):
+            got, form = _cuda_batch(group), "cuda"
+            if got is None and impl == "cuda":
+                raise ConfigError(f"the shipped {WSUM} kernel cannot run on {device}: "
+                                  f"{_cuda_refused}")
+        elif impl == "cuda":
+            raise ConfigError(f"the shipped {WSUM} kernel is for CUDA tensors; {device} is not")
+        if got is None and on_cuda and impl in ("auto", "triton"):
+            got, form = _triton_batch(group, wait=impl == "triton"), "triton"
         if got is None:
             if impl == "triton":
-                why = _triton_broken or ("its build did not finish" if getattr(
-                    device, "type", "cpu") == "cuda" else "not a CUDA tensor")
+                why = _triton_broken or ("its build did not finish" if on_cuda
+                                         else "not a CUDA tensor")
                 raise ConfigError(f"the Triton {WSUM} kernel cannot run on {device}: {why}")
-            got = _torch_pairs(group)
+            got, form = _torch_pairs(group), "torch"
+        with _used_lock:
+            _used[form] = _used.get(form, 0) + len(group)
         for i, pair in zip(idx, got):
             pairs[i] = pair
     return [f"{a & _MASK:016x}{b & _MASK:016x}:{raw.numel()}"
@@ -431,23 +526,25 @@ def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
 
 
 def warm_up(algorithm: str | None, devices: Iterable[object]) -> None:
-    """Start building the GPU digest kernel on each CUDA device in ``devices`` (torch
-    devices or names such as ``"cuda:0"``) on a background thread; returns at once.
+    """Make the GPU digest kernel ready on each CUDA device in ``devices`` (torch
+    devices or names such as ``"cuda:0"``): the shipped kernel is loaded now (one
+    driver call each); where the driver refuses it, the Triton kernel's build starts
+    on a background thread and this returns at once.
 
-    A no-op for other algorithms, CPU devices, a device whose build already started,
-    and where Triton cannot run (then the torch form is used, as without a warm-up).
+    A no-op for other algorithms, CPU devices, and a device already warmed up.
     """
-    if algorithm != WSUM or _triton_broken is not None:
+    if algorithm != WSUM:
         return
     names = {str(d) for d in devices if str(d).startswith("cuda")}
     if not names:
         return
     import torch
     for name in names:
-        dev = torch.device(name)
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        _build_for(dev)
+        index = _device_index(name)
+        assert index is not None
+        if _cuda_ready(index) or _triton_broken is not None:
+            continue
+        _build_for(torch.device("cuda", index))
 
 
 def warm_up_for(dest: Mapping[str, torch.Tensor] | None, device: str) -> None:
@@ -460,9 +557,10 @@ def warm_up_for(dest: Mapping[str, torch.Tensor] | None, device: str) -> None:
 
 
 def prepare(algorithm: str | None, tensors: Iterable[torch.Tensor]) -> None:
-    """Start building the GPU digest kernel for ``tensors``' CUDA devices
-    (:func:`warm_up`); returns at once. Chunks verified before it is ready use the
-    torch form. A no-op for CPU tensors and other algorithms."""
+    """Make the GPU digest kernel ready for ``tensors``' CUDA devices (:func:`warm_up`:
+    the shipped kernel loads now; a Triton build, where the driver refuses it, starts
+    in the background and chunks verified before it is ready use the torch form). A
+    no-op for CPU tensors and other algorithms."""
     if algorithm == WSUM:
         warm_up(algorithm, {t.device for t in tensors})
 
@@ -486,9 +584,10 @@ def digest_many(tensors: Sequence[torch.Tensor], algorithm: str, *,
     Args:
         tensors: any tensors (non-contiguous ones are hashed in logical order).
         algorithm: one of :data:`ALGORITHMS`.
-        impl: ``wsum-i32-v1`` on CUDA only: ``"auto"`` (the one-pass Triton kernel
-            once it is built on the device, else torch ops; the build is started
-            here if nothing started it), ``"triton"`` (waits for the build) or
+        impl: ``wsum-i32-v1`` on CUDA only: ``"auto"`` (the shipped kernel, loaded
+            here if nothing loaded it; where the driver refuses it, the Triton kernel
+            once built, its build started here, else torch ops), ``"cuda"`` (the
+            shipped kernel only), ``"triton"`` (waits for the Triton build) or
             ``"torch"``. Every form gives the same digest; benchmarks compare them.
 
     Returns:
@@ -496,11 +595,11 @@ def digest_many(tensors: Sequence[torch.Tensor], algorithm: str, *,
 
     Raises:
         ConfigError: unknown algorithm or impl, a CPU-only algorithm asked of a GPU
-            tensor, xxh3 without the xxhash package, or ``impl="triton"`` where the
-            kernel cannot run.
+            tensor, xxh3 without the xxhash package, or ``impl="cuda"`` /
+            ``impl="triton"`` where that kernel cannot run.
     """
-    if impl not in ("auto", "triton", "torch"):
-        raise ConfigError(f"unknown digest impl {impl!r}; allowed: auto, triton, torch")
+    if impl not in IMPLS:
+        raise ConfigError(f"unknown digest impl {impl!r}; allowed: {', '.join(IMPLS)}")
     if algorithm == WSUM:
         return _wsum_many(list(tensors), impl)
     if algorithm not in ALGORITHMS:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from modelexpress.local import LocalEndpoint, fd_count, pull
-from modelexpress.transfer.digest import wait_for_builds
+from modelexpress.transfer.digest import forms_used, wait_for_builds
 from modelexpress.transfer.manifest import Manifest
 
 from ._peers import make_tensors
@@ -50,9 +50,13 @@ def test_gpu_pull_maps_the_source_memory_and_copies_every_byte(make_source, layo
     assert manifest.digest_algorithm == "wsum-i32-v1"
     src_fds = src.fds()
     dst = _dst(manifest, dst_device)
+    before = forms_used()
     res = pull(endpoint, manifest, dst, chunk_bytes=8 << 20)
     assert res.transport == "local" and set(res.segments) == {kind}, res
     assert res.verified == len(manifest.tensors)
+    # verified by the shipped kernel, which the pull loaded as it started (issue #24)
+    used = {k: n - before.get(k, 0) for k, n in forms_used().items() if n != before.get(k, 0)}
+    assert used == {"cuda": len(manifest.tensors)}, used
     assert _equal(src, dst)
     # no descriptor left behind (the source may close one it held before: <=)
     assert src.fds_settle(src_fds) <= src_fds

@@ -56,6 +56,7 @@ def test_wsum_triton_kernel_equals_torch_form_and_cpu() -> None:
         digest.digest(t.cpu(), digest.WSUM) for t in batch]
 
 
+@pytest.mark.nixl  # registers with a NixlTransferManager
 def test_segments_registration_covers_per_allocation_tensors_with_few_regions() -> None:
     tensors = {f"t{i}": torch.empty((1 << 18,), dtype=torch.bfloat16, device="cuda:0")
                for i in range(200)}  # 512 KiB each: small-pool blocks share segments

@@ -50,7 +50,9 @@ def test_digest_many_equals_one_by_one_and_checks_its_arguments() -> None:
         _oracle(bytes(t.numpy())) for t in tensors[:5]]
     assert digest.digest_many([], digest.WSUM) == []
     with pytest.raises(Exception, match="unknown digest impl"):
-        digest.digest_many(tensors, digest.WSUM, impl="cuda")
+        digest.digest_many(tensors, digest.WSUM, impl="opencl")
+    with pytest.raises(Exception, match="for CUDA tensors"):  # the shipped kernel
+        digest.digest_many(tensors[1:2], digest.WSUM, impl="cuda")
     with pytest.raises(Exception, match="Triton"):  # the kernel is for CUDA tensors only
         digest.digest_many(tensors[1:2], digest.WSUM, impl="triton")
     with pytest.raises(Exception, match="unknown digest algorithm"):
