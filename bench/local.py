@@ -33,8 +33,11 @@ first, ``_huge``: in transparent huge pages), the pull into a new destination
 same checkpoint from a warm page cache (``time_disk_load``), and the copy strategies
 one by one (each a whole pull: connect, map, copy, digests, close): copies from the
 mapping with torch (the transport before issue #24), ``pread`` on one thread then on
-N threads with digests after the copy, and with digests alongside (what ``pull``
-does); then, in fresh processes (``process_disk`` / ``process_pull``: a warm
+N threads with digests after the copy, and with digests alongside; ``pull_*`` rows
+read the checkpoint file's page cache (what ``pull`` does from a source that
+``modelexpress publish`` loaded), ``*_memfd`` rows pull the same from a second
+source that serves the memfd alone (``--memfd-only``, the transport before the
+page-cache path); then, in fresh processes (``process_disk`` / ``process_pull``: a warm
 page-cache load, a verified pull into ``allocate_like``'s memory, each timed alone in
 a new process, as a user's command or a new engine meets them: nothing in the heap
 to reuse). Ratios are per round (same moment), medians reported, and from each
@@ -299,11 +302,16 @@ HOST_CASES = {  # name -> checkpoint LlamaShape arguments (bf16)
 
 
 def serve_host(args: argparse.Namespace) -> None:
-    """Source process of --host: the checkpoint in a memfd-backed buffer, served locally."""
-    from modelexpress.checkpoint import load_checkpoint_shared
-    from modelexpress.local import LocalSource, host_id, publish_attributes
+    """Source process of --host: the checkpoint in a memfd-backed buffer, served locally
+    (with the checkpoint file's page cache, as ``modelexpress publish`` does; with
+    ``--memfd-only`` the memfd alone, the transport before the page-cache path)."""
+    from modelexpress.checkpoint import load_checkpoint, load_checkpoint_shared
+    from modelexpress.local import LocalSource, host_buffer_like, host_id, publish_attributes
     from modelexpress.transfer.manifest import build_manifest
-    buf, tensors = load_checkpoint_shared(args.serve_host)
+    if args.memfd_only:
+        buf, tensors = host_buffer_like(load_checkpoint(args.serve_host))
+    else:
+        buf, tensors = load_checkpoint_shared(args.serve_host)
     src = LocalSource(args.ipc_dir, host_id=host_id())
     src.add_host_buffer(buf)
     manifest = build_manifest(tensors, agent_name="bench-local-host",
@@ -383,7 +391,8 @@ def _median(xs: list[float]) -> float:
 
 def host_target(args: argparse.Namespace) -> None:
     """A fresh process of --host: one warm page-cache load or one verified pull (into
-    ``allocate_like``'s new memory), timed alone; one JSON line."""
+    ``allocate_like``'s new memory), timed alone; one JSON line (a pull's with its
+    phases and the allocation's seconds)."""
     what, ckpt = args.host_target.split(":", 1)
     # Imports first, untimed: both a loader and a pull pay them, and they are not the
     # weights' time (bench/p2p.py --small measures a command's whole time).
@@ -406,18 +415,20 @@ def host_target(args: argparse.Namespace) -> None:
     endpoint = LocalEndpoint.from_json(info["endpoint"])
     t0 = time.perf_counter()
     dest = allocate_like(manifest)
+    t1 = time.perf_counter()
     r = pull(endpoint, manifest, dest, verify=True)
     assert r.verified == len(manifest.tensors), r
-    print(json.dumps({"seconds": time.perf_counter() - t0}))
+    print(json.dumps({"seconds": time.perf_counter() - t0, "allocate": t1 - t0,
+                      "phases": r.phases, "page_cache_bytes": r.page_cache_bytes}))
 
 
-def _host_target(what: str, info_path: str, ckpt: str) -> float:
+def _host_target(what: str, info_path: str, ckpt: str) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, __file__, "--host-target", f"{what}:{ckpt}",
                            "--info", info_path], stdout=subprocess.PIPE, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"--host-target {what} exited {proc.returncode}")
-    return float(json.loads(lines[-1])["seconds"])
+    return json.loads(lines[-1])
 
 
 def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[str, Any]:
@@ -431,11 +442,16 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[s
     ckpt = os.path.join(tmp, f"ckpt-{name}")
     generate_llama_checkpoint(ckpt, LlamaShape(**HOST_CASES[name]))
     info_path = os.path.join(tmp, f"info-{name}.json")
+    info_memfd = os.path.join(tmp, f"info-{name}-memfd.json")
     proc, info = _start_source(["--serve-host", ckpt, "--ipc-dir", os.path.join(tmp, "ipc")],
                                info_path)
+    proc_m, info_m = _start_source(["--serve-host", ckpt, "--ipc-dir", os.path.join(tmp, "ipc"),
+                                    "--memfd-only"], info_memfd)
     try:
         endpoint = LocalEndpoint.from_json(info["endpoint"])
+        endpoint_m = LocalEndpoint.from_json(info_m["endpoint"])
         manifest = Manifest.from_json(info["manifest"])
+        manifest_m = Manifest.from_json(info_m["manifest"])
         total = manifest.total_bytes
         src = torch.ones(total, dtype=torch.uint8)
         dst = torch.zeros(total, dtype=torch.uint8)
@@ -444,11 +460,14 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[s
             t.view(-1).view(torch.uint8).fill_(0)
         time_disk_load(ckpt, cold=False)  # the page cache holds the checkpoint from here on
         keys = ("memcpy_warm", "memcpy_fresh", "memcpy_fresh_populated", "memcpy_fresh_huge",
-                "pull_fresh", "pull_warm", "disk_warm", "mapped_torch", "pread_1", "pread_n",
-                "process_disk", "process_pull")
+                "pull_fresh", "pull_warm", "pull_fresh_memfd", "pull_warm_memfd", "disk_warm",
+                "mapped_torch", "pread_1", "pread_n", "process_disk", "process_pull",
+                "process_pull_memfd")
         times: dict[str, list[float]] = {k: [] for k in keys}
         phases_fresh: list[dict[str, float]] = []
         phases_warm: list[dict[str, float]] = []
+        phases_process: list[dict[str, float]] = []
+        page_cache: list[float] = []  # fraction of the pull's bytes read from the page cache
         for _ in range(rounds):
             t0 = time.perf_counter()
             dst.copy_(src)
@@ -476,15 +495,28 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[s
             r = pull(endpoint, manifest, warm_dest, verify=True)
             times["pull_warm"].append(r.seconds)
             phases_warm.append(r.phases)
+            page_cache.append(r.page_cache_bytes / total)
+            # The memfd alone (the transport before the page-cache path), same round.
+            dest = allocate_like(manifest_m)
+            r = pull(endpoint_m, manifest_m, dest, verify=True)
+            assert r.verified == len(manifest.tensors) and r.page_cache_bytes == 0, r
+            times["pull_fresh_memfd"].append(r.seconds)
+            del dest
+            r = pull(endpoint_m, manifest_m, warm_dest, verify=True)
+            times["pull_warm_memfd"].append(r.seconds)
             times["disk_warm"].append(time_disk_load(ckpt, cold=False))
             for how in ("mapped_torch", "pread_1", "pread_n"):
-                times[how].append(_variant(endpoint, manifest, warm_dest, how))
+                times[how].append(_variant(endpoint_m, manifest_m, warm_dest, how))
 
         # A fresh process each, as a user's `modelexpress pull` or a new engine's load:
         # nothing in its heap to reuse, so both pay the new memory's page faults.
         for _ in range(fresh_rounds):
-            for what in ("disk", "pull"):
-                times[f"process_{what}"].append(_host_target(what, info_path, ckpt))
+            for what, where in (("disk", info_path), ("pull", info_path),
+                                ("pull_memfd", info_memfd)):
+                got = _host_target(what.split("_")[0], where, ckpt)
+                times[f"process_{what}"].append(got["seconds"])
+                if what == "pull":
+                    phases_process.append({"allocate": got["allocate"], **got["phases"]})
 
         def ratio(num: str, den: str) -> float:  # den time / num time, per round: GB/s ratio
             return round(_median([b / a for a, b in zip(times[num], times[den])]), 3)
@@ -503,8 +535,13 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[s
             "pull_fresh_vs_memcpy_warm": ratio("pull_fresh", "memcpy_warm"),
             "pull_fresh_vs_disk_warm": ratio("pull_fresh", "disk_warm"),
             "process_pull_vs_process_disk": ratio("process_pull", "process_disk"),
+            "pull_warm_memfd_vs_memcpy_warm": ratio("pull_warm_memfd", "memcpy_warm"),
+            "pull_fresh_memfd_vs_memcpy_fresh": ratio("pull_fresh_memfd", "memcpy_fresh"),
+            "process_pull_memfd_vs_process_disk": ratio("process_pull_memfd", "process_disk"),
+            "page_cache_fraction_median": round(_median(page_cache), 3),
             "strategies_vs_memcpy_warm": {k: ratio(k, "memcpy_warm") for k in
-                                          ("mapped_torch", "pread_1", "pread_n", "pull_warm")},
+                                          ("mapped_torch", "pread_1", "pread_n",
+                                           "pull_warm_memfd", "pull_warm")},
             "best_s": {k: round(min(v), 4) for k, v in times.items()},
             "best_ratios": {
                 "pull_warm_vs_memcpy_warm": best_ratio("pull_warm", "memcpy_warm"),
@@ -512,16 +549,21 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[s
                 "pull_fresh_vs_memcpy_warm": best_ratio("pull_fresh", "memcpy_warm"),
                 "pull_fresh_vs_disk_warm": best_ratio("pull_fresh", "disk_warm"),
                 "process_pull_vs_process_disk": best_ratio("process_pull", "process_disk"),
+                "process_pull_memfd_vs_process_disk": best_ratio("process_pull_memfd",
+                                                                 "process_disk"),
                 **{f"{k}_vs_memcpy_warm": best_ratio(k, "memcpy_warm")
-                   for k in ("mapped_torch", "pread_1", "pread_n")}},
+                   for k in ("mapped_torch", "pread_1", "pread_n", "pull_warm_memfd")}},
             "phases_fresh_median": {k: round(_median([p[k] for p in phases_fresh]), 4)
                                     for k in phases_fresh[0]},
             "phases_warm_median": {k: round(_median([p[k] for p in phases_warm]), 4)
                                    for k in phases_warm[0]},
+            "phases_process_pull_median": {k: round(_median([p[k] for p in phases_process]), 4)
+                                           for k in phases_process[0]},
         }
         return out
     finally:
         _stop(proc)
+        _stop(proc_m)
 
 
 def host_main(args: argparse.Namespace) -> None:
@@ -543,7 +585,11 @@ def host_main(args: argparse.Namespace) -> None:
                   f"{r['pull_fresh_vs_memcpy_warm']}, pull fresh / disk warm "
                   f"{r['pull_fresh_vs_disk_warm']}, fresh process: disk load "
                   f"{m['process_disk']} s / pull {m['process_pull']} s "
-                  f"{r['process_pull_vs_process_disk']} | strategies / memcpy warm "
+                  f"{r['process_pull_vs_process_disk']} (memfd only: "
+                  f"{m['process_pull_memfd']} s {r['process_pull_memfd_vs_process_disk']}) | "
+                  f"page cache share {r['page_cache_fraction_median']} | "
+                  f"fresh-process pull phases {r['phases_process_pull_median']} | "
+                  f"strategies / memcpy warm "
                   f"{r['strategies_vs_memcpy_warm']} | best-round ratios {r['best_ratios']} | "
                   f"phases fresh {r['phases_fresh_median']}",
                   flush=True)
@@ -745,6 +791,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=2, help="--gpu-first: targets per mode/cache")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--serve-host", default="", help=argparse.SUPPRESS)
+    p.add_argument("--memfd-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gpu-target", default="", help=argparse.SUPPRESS)
     p.add_argument("--host-target", default="", help=argparse.SUPPRESS)
     p.add_argument("--info", default="", help=argparse.SUPPRESS)

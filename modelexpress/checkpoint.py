@@ -133,7 +133,9 @@ def load_checkpoint_shared(path: str | os.PathLike[str]) -> tuple[Any, dict[str,
 
     Each tensor is read straight into the buffer (the one copy a contiguous load makes
     anyway), so a publisher can serve same-host peers over the local transport at no
-    extra cost.
+    extra cost. The buffer also keeps the files open and records which of its bytes
+    each holds (``HostBuffer.file_extents``): a local source serves those as the
+    files' page cache, which peers read faster than the memfd (``local/origin.py``).
 
     Returns:
         The buffer and name -> tensor, in file order.
@@ -141,12 +143,21 @@ def load_checkpoint_shared(path: str | os.PathLike[str]) -> tuple[Any, dict[str,
     Raises:
         As :func:`load_checkpoint`.
     """
+    from modelexpress.local.origin import origins_for
+
     buf, into = allocate_shared(_checkpoint_specs(path))
+    # ORDER: the files are opened (and stat'ed) before the load, so a file changed
+    # while loading is seen by add_origins' second look (local/origin.py).
+    origins = origins_for(checkpoint_files(path))
     try:
-        return buf, load_checkpoint(path, into=into)
+        tensors = load_checkpoint(path, into=into)
     except BaseException:
+        for o in origins:
+            o.close()
         buf.close()
         raise
+    buf.add_origins(origins, tensors)
+    return buf, tensors
 
 
 def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu",

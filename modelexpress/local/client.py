@@ -80,6 +80,8 @@ class LocalPullResult:
             connect+map, plan, copy, verify, close).
         gbps: ``nbytes`` / copy phase (the data plane), GB/s.
         verified: tensors whose digest was checked.
+        page_cache_bytes: bytes read from the source's checkpoint file's page cache
+            (the rest of the host bytes from its memfds; :mod:`.origin`).
     """
 
     transport: str
@@ -91,6 +93,7 @@ class LocalPullResult:
     gbps: float
     verified: int
     phases: dict[str, float]
+    page_cache_bytes: int = 0
 
 
 class LocalSession(ClosedOnCollect):
@@ -103,6 +106,8 @@ class LocalSession(ClosedOnCollect):
         timeout_s: bound on connecting and on each handshake message.
         inventory: this process's GPUs (default: CUDA's); the source's device segments
             name GPUs by UUID and are mapped for this process's ordinal of each.
+        files: ask for ``file`` segments (host bytes also readable from the source's
+            checkpoint file's page cache, :mod:`.origin`); False: memfds only.
 
     Raises:
         PeerError: the source is unreachable, refused (e.g. wrong credential), or sent
@@ -112,7 +117,8 @@ class LocalSession(ClosedOnCollect):
     """
 
     def __init__(self, endpoint: LocalEndpoint, device: int | None = None,
-                 timeout_s: float = 10.0, inventory: "DeviceInventory | None" = None) -> None:
+                 timeout_s: float = 10.0, inventory: "DeviceInventory | None" = None,
+                 files: bool = True) -> None:
         self._closed = True
         self.endpoint = endpoint
         self.peer = f"local source {endpoint.source_id} ({endpoint.path})"
@@ -130,7 +136,8 @@ class LocalSession(ClosedOnCollect):
                                 "another node") from exc
             try:
                 protocol.send(sock, {"op": "hello", "v": protocol.VERSION,
-                                     "source_id": endpoint.source_id, "token": endpoint.token})
+                                     "source_id": endpoint.source_id, "token": endpoint.token,
+                                     "accepts": ["file"] if files else []})
             except (BrokenPipeError, ConnectionResetError):
                 # A source that refuses at once (busy) may close before our hello; its
                 # refusal is still queued on the socket.
@@ -156,12 +163,14 @@ class LocalSession(ClosedOnCollect):
             if len(pairs) != int(msg["segments"]):
                 raise PeerError(f"{self.peer}: announced {msg['segments']} segments, "
                                 f"sent {len(pairs)}")
-            if any(s.kind != "memfd" for s, _ in pairs):
+            dev_at = [i for i, (s, _) in enumerate(pairs) if s.kind not in protocol.HOST_KINDS]
+            if dev_at:
                 # GPUs by UUID: the source's ordinals mean nothing here (devices.py)
                 from modelexpress.local.devices import CudaDevices, local_segments
-                mine = local_segments([s for s, _ in pairs], inventory or CudaDevices(),
+                mine = local_segments([pairs[i][0] for i in dev_at], inventory or CudaDevices(),
                                       self.peer)
-                pairs = [(s, fd) for s, (_, fd) in zip(mine, pairs)]
+                for i, s in zip(dev_at, mine):
+                    pairs[i] = (s, pairs[i][1])
             self.segments = [s for s, _ in pairs]
             self._map(pairs, device)
             received = []  # the mappings own (and have closed) them now
@@ -187,11 +196,12 @@ class LocalSession(ClosedOnCollect):
     def _map(self, pairs: Sequence[tuple[Segment, int]], device: int | None) -> None:
         from modelexpress.local.memory import HostMapping, group_segments
         host = [(s, fd) for s, fd in pairs if s.kind == "memfd"]
-        dev = [(s, fd) for s, fd in pairs if s.kind != "memfd"]
-        if host:
+        files = [(s, fd) for s, fd in pairs if s.kind == "file"]
+        dev = [(s, fd) for s, fd in pairs if s.kind not in protocol.HOST_KINDS]
+        if host or files:
             # ORDER: a mapping closes the fds it was given, also when it fails; the
             # caller's list is cleared only after both mappings exist.
-            self.host_map = HostMapping([s for s, _ in host], [fd for _, fd in host])
+            self.host_map = HostMapping([s for s, _ in host], [fd for _, fd in host], files)
         if dev:
             if device is None:
                 device = dev[0][0].device
@@ -407,7 +417,7 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
     t_map = time.monotonic()
     phases["connect+map"] = t_map - t_conn
     total = sum(p.remote.nbytes for p in pairs)
-    n_copies = 0
+    n_copies = page_cache_bytes = 0
     try:
         # A GPU destination copies on its own stream; a host destination of device
         # memory (device -> host) on the stream of the device that memory is mapped for.
@@ -417,23 +427,43 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
             if stream_device is not None:
                 from modelexpress.local.cuda import on_device
                 ctx.enter_context(on_device(stream_device))
-            chunks = _plan(session, pairs, tensors, chunk_bytes)
-            n_copies = sum(len(c) for c in chunks)
-            digests = _digests_alongside(manifest, pairs, tensors, chunks, session.peer,
-                                         verify)
-            if digests is not None:
-                ctx.callback(digests.close)
-            t_plan = time.monotonic()
-            phases["plan"] = t_plan - t_map
-            _run(session, chunks, total, stop, deadline, deadline_s, progress, stream_device,
-                 digests)
-            t_copy = time.monotonic()
-            phases["copy"] = t_copy - t_plan
-            if digests is not None:  # the tail: digests of the last tensors to land
-                verified = digests.finish()
-            else:
-                verified = _verify(manifest, pairs, tensors, session.peer) if verify else 0
-            phases["verify"] = time.monotonic() - t_copy
+            host_map = session.host_map
+            for attempt in (1, 2):
+                t_start = time.monotonic()
+                from_files = host_map.file_bytes if host_map is not None else 0
+                chunks = _plan(session, pairs, tensors, chunk_bytes)
+                n_copies = sum(len(c) for c in chunks)
+                digests = _digests_alongside(manifest, pairs, tensors, chunks, session.peer,
+                                             verify)
+                if digests is not None:
+                    ctx.callback(digests.close)
+                t_plan = time.monotonic()
+                phases["plan"] = phases.get("plan", 0.0) + t_plan - t_start
+                _run(session, chunks, total, stop, deadline, deadline_s, progress,
+                     stream_device, digests)
+                t_copy = time.monotonic()
+                phases["copy"] = phases.get("copy", 0.0) + t_copy - t_plan
+                if host_map is not None:
+                    page_cache_bytes = host_map.file_bytes - from_files
+                try:
+                    if digests is not None:  # the tail: digests of the last tensors to land
+                        verified = digests.finish()
+                    else:
+                        verified = _verify(manifest, pairs, tensors, session.peer) if verify else 0
+                except IntegrityError as exc:
+                    if attempt == 2 or not page_cache_bytes:
+                        raise
+                    # The memfds are the reference; the file only a faster copy of them
+                    # while it is unchanged (local/origin.py). Nothing landed is kept.
+                    log.warning("local pull from %s: %s, after %d bytes read from the "
+                                "source's checkpoint file (changed on disk since its load?): "
+                                "copying everything again from its memfds", session.peer, exc,
+                                page_cache_bytes)
+                    host_map.files_on = False
+                    continue
+                finally:
+                    phases["verify"] = phases.get("verify", 0.0) + time.monotonic() - t_copy
+                break
     finally:
         t_close = time.monotonic()
         session.close()
@@ -445,12 +475,13 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
     seconds = time.monotonic() - t0
     gbps = total / phases["copy"] / 1e9 if phases.get("copy") else 0.0
     log.info("local pull from %s: %d bytes, %d tensors, %d copies in %.3f s (connect+map "
-             "%.3f s, copy %.3f s at %.1f GB/s, digests %.3f s)", session.peer, total, len(pairs),
-             n_copies, seconds, phases.get("connect+map", 0.0), phases.get("copy", 0.0), gbps,
+             "%.3f s, copy %.3f s at %.1f GB/s, %d bytes from the page cache of its checkpoint "
+             "file, digests %.3f s)", session.peer, total, len(pairs), n_copies, seconds,
+             phases.get("connect+map", 0.0), phases.get("copy", 0.0), gbps, page_cache_bytes,
              phases.get("verify", 0.0))
     return LocalPullResult(transport=TRANSPORT, nbytes=total, tensors=len(pairs), copies=n_copies,
                            segments=kinds, seconds=seconds, gbps=gbps, verified=verified,
-                           phases=phases)
+                           phases=phases, page_cache_bytes=page_cache_bytes)
 
 
 _COPY_STREAMS = 4  # side streams device copies are spread over

@@ -74,7 +74,11 @@ _prefault_ok = True  # cleared where the kernel does not know MADV_POPULATE_WRIT
 
 def _prefault(addr: int, nbytes: int) -> None:
     """Fault in the destination pages of ``[addr, +nbytes)`` writable before a read
-    lands there, if they are not there yet (a fresh allocation).
+    from a memfd lands there, if they are not there yet (a fresh allocation).
+
+    Not before a read from a file's page cache (``HostMapping.from_file``): there the
+    faults taken inside the read cost less than populating first, which writes the new
+    pages once more (bench/local.py --host, fresh-process rows).
 
     New memory costs a fault per page, more than the copy itself on the CI machine,
     and faults taken inside ``pread``'s copy cost more than this populate at best
@@ -179,7 +183,8 @@ class HostCopier:
     def _lane(mapping: "HostMapping", copies: Sequence[tuple[int, int, int, int]]) -> None:
         read = mapping.read_into
         for seg, off, dst, n in copies:
-            _prefault(dst, n)
+            if not mapping.from_file(seg):
+                _prefault(dst, n)
             read(seg, off, dst, n)
 
     def close(self) -> None:
@@ -293,7 +298,8 @@ class DigestsInPass:
     def run_lane(mapping: "HostMapping", parts: Sequence[Any]) -> None:
         read = mapping.read_into
         for seg, off, dst, n, stream in parts:
-            _prefault(dst, n)
+            if not mapping.from_file(seg):
+                _prefault(dst, n)
             pos = 0
             while pos < n:
                 take = min(_HOT_PIECE_BYTES, n - pos)

@@ -18,7 +18,9 @@ at the source is contiguous here and is copied as one block::
              |<-- map A, RO -->| PROT_NONE |<-- map B, RO -->|
 
 The mapping keeps the received descriptors too: a host-to-host copy reads the memfd
-with ``pread`` (:meth:`HostMapping.read_into`) instead of copying from the mapping.
+with ``pread`` (:meth:`HostMapping.read_into`) instead of copying from the mapping,
+or, for bytes the source loaded from a checkpoint file, that file's page cache
+(``file`` segments; :mod:`.origin`).
 Copying from a fresh mapping faults in every source page (a page-table entry per 4 KiB;
 the memfd's shmem has no huge pages unless the host enables them) and unmapping tears
 those entries down again: measured, that cost more than the copy itself
@@ -45,6 +47,7 @@ from modelexpress.vmm.host import _MAP_FAILED, _MAP_NORESERVE, _mmap, _munmap
 if TYPE_CHECKING:
     import torch
 
+    from modelexpress.local.origin import FileExtent, FileOrigin
     from modelexpress.local.protocol import Segment
 
 __all__ = ["HostBuffer", "HostMapping", "group_segments", "host_buffer_like"]
@@ -120,11 +123,32 @@ class HostBuffer(ClosedOnCollect):
         self.addr = ctypes.addressof(probe)  # an mmap never moves
         del probe
         self._lock = threading.Lock()
+        self.file_extents: list["FileExtent"] = []
+        self._origins: list["FileOrigin"] = []
         self._closed = False
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def add_origins(self, origins: Sequence["FileOrigin"],
+                    tensors: Mapping[str, "torch.Tensor"]) -> int:
+        """Record which of this buffer's bytes were loaded unchanged from ``origins``
+        (files opened before the load: :mod:`.origin`); the buffer owns them from now
+        on. A source serves those runs as the files' page cache too.
+
+        Returns:
+            Bytes covered (0: a file changed during the load, none is used).
+        """
+        origins = list(origins)
+        if not all(o.unchanged() for o in origins):
+            for o in origins:
+                o.close()
+            return 0
+        self._origins.extend(origins)
+        for o in origins:
+            self.file_extents.extend(o.extents(self.addr, self.nbytes, tensors))
+        return sum(e.nbytes for e in self.file_extents)
 
     def tensor(self, offset: int, shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
         """A tensor over ``[offset, offset + nbytes)`` of the buffer.
@@ -157,6 +181,8 @@ class HostBuffer(ClosedOnCollect):
                 return
             self._closed = True
         os.close(self.fd)
+        for o in self._origins:
+            o.close()
         try:
             self._mm.close()
         except BufferError:
@@ -236,18 +262,28 @@ class HostMapping(ClosedOnCollect):
         fds: one descriptor per segment; the mapping owns them from now on (kept for
             :meth:`read_into`, closed by :meth:`close`, also when this fails), so the
             caller must not close them.
+        files: ``file`` segments with their descriptors (several may share one; owned
+            the same way): runs of the memfds that can be read from their checkpoint
+            file's page cache instead (:mod:`.origin`). One that no memfd segment holds
+            whole is not used.
 
     Raises:
         BackendError: a reservation or mapping failed (what was mapped is unmapped,
             every descriptor is closed).
     """
 
-    def __init__(self, segments: Sequence["Segment"], fds: Sequence[int]) -> None:
+    def __init__(self, segments: Sequence["Segment"], fds: Sequence[int],
+                 files: Sequence[tuple["Segment", int]] = ()) -> None:
         self._closed = True
         self._ranges: list[tuple[int, int]] = []      # (base, span) reserved
         self._where: list[tuple[int, int, int]] = []  # (src_addr, src_end, local_addr)
         self._fds: list[int] = []                     # the memfd of each _where entry
-        pending = list(fds)
+        self._ext: list[tuple[int, int, int, int]] = []  # (src_addr, src_end, fd, file offset)
+        self._ext_fds = list(dict.fromkeys(fd for _, fd in files))  # each closed once
+        self.files_on = True  # False: every read from the memfds (see read_into)
+        self.file_bytes = 0   # bytes read_into took from a file's page cache
+        self._count = threading.Lock()
+        pending = list(fds) + self._ext_fds
         try:
             for group in group_segments(segments):
                 start = segments[group[0]].addr
@@ -270,6 +306,14 @@ class HostMapping(ClosedOnCollect):
             order = sorted(range(len(self._where)), key=self._where.__getitem__)
             self._where = [self._where[k] for k in order]
             self._fds = [self._fds[k] for k in order]
+            for seg, fd in files:
+                try:
+                    self._find(seg.addr, seg.size)
+                except PeerError:
+                    log.debug("file segment %s lies in no shared memfd: not used", seg)
+                    continue
+                self._ext.append((seg.addr, seg.end, fd, seg.offset))
+            self._ext.sort()
         except BaseException:
             self._unmap()
             _close_all(pending)
@@ -296,14 +340,30 @@ class HostMapping(ClosedOnCollect):
         return at + (src_addr - s)
 
     def locate(self, src_addr: int, nbytes: int) -> tuple[int, int]:
-        """``(segment, offset)`` of the source's ``[src_addr, +nbytes)``: which shared
-        memfd holds it (an index for :meth:`read_into`) and where in it.
+        """``(segment, offset)`` of the source's ``[src_addr, +nbytes)``: what to read
+        it from (an index for :meth:`read_into`: a file segment that holds it whole
+        while :attr:`files_on`, else the shared memfd) and where in that.
 
         Raises:
             PeerError: the range is not inside one shared segment.
         """
+        if self.files_on and self._ext:
+            import bisect
+            j = bisect.bisect_right(self._ext, (src_addr, float("inf"), 0, 0)) - 1
+            if j >= 0 and self._ext[j][0] <= src_addr and src_addr + nbytes <= self._ext[j][1]:
+                return len(self._where) + j, src_addr - self._ext[j][0]
         k = self._find(src_addr, nbytes)
         return k, src_addr - self._where[k][0]
+
+    def from_file(self, segment: int) -> bool:
+        """Whether :meth:`read_into` of ``segment`` reads a file's page cache (while
+        :attr:`files_on`) rather than a memfd."""
+        return segment >= len(self._where) and self.files_on
+
+    @property
+    def file_segments(self) -> int:
+        """File segments usable here (see ``files``)."""
+        return len(self._ext)
 
     def read_into(self, segment: int, offset: int, dst_addr: int, nbytes: int) -> None:
         """Copy ``nbytes`` at ``offset`` of a shared memfd to ``dst_addr`` (host memory)
@@ -315,6 +375,9 @@ class HostMapping(ClosedOnCollect):
         """
         if self._closed:
             raise ConfigError("HostMapping.read_into() after close()")
+        if segment >= len(self._where):
+            self._read_file(segment - len(self._where), offset, dst_addr, nbytes)
+            return
         s, e, _ = self._where[segment]
         if offset < 0 or nbytes < 0 or offset + nbytes > e - s:
             raise ConfigError(f"read of {nbytes} bytes at offset {offset} is outside a "
@@ -332,6 +395,34 @@ class HostMapping(ClosedOnCollect):
                 raise BackendError(f"a shared memfd ended {offset + done} bytes in, before the "
                                    f"{nbytes} bytes to read at offset {offset}")
             done += got
+
+    def _read_file(self, j: int, offset: int, dst_addr: int, nbytes: int) -> None:
+        """A file segment's bytes from the page cache, never waiting for a disk; what
+        the page cache does not hold (evicted, or the file shrank) from the memfd."""
+        from modelexpress.local.origin import NOWAIT_UNSUPPORTED, read_cached
+        s, e, fd, foff = self._ext[j]
+        if offset < 0 or nbytes < 0 or offset + nbytes > e - s:
+            raise ConfigError(f"read of {nbytes} bytes at offset {offset} is outside a "
+                              f"file segment of {e - s} bytes")
+        got = 0
+        if self.files_on:
+            try:
+                got = read_cached(fd, foff + offset, dst_addr, nbytes)
+            except OSError as exc:
+                log.debug("reading a file segment failed (%s): the memfd instead", exc)
+            if got == NOWAIT_UNSUPPORTED:
+                if self.files_on:
+                    log.info("the source's checkpoint file cannot be read without waiting "
+                             "on its filesystem: reading its memfds instead")
+                self.files_on = False
+                got = 0
+            if got:
+                with self._count:
+                    self.file_bytes += got
+        if got < nbytes:
+            k = self._find(s + offset + got, nbytes - got)
+            self.read_into(k, s + offset + got - self._where[k][0], dst_addr + got,
+                           nbytes - got)
 
     def tensor(self, local_addr: int, nbytes: int) -> "torch.Tensor":
         """A uint8 CPU tensor over mapped memory (read-only pages: never write to it)."""
@@ -355,7 +446,9 @@ class HostMapping(ClosedOnCollect):
         self._closed = True
         self._unmap()
         fds, self._fds = self._fds, []
-        _close_all(fds)
+        ext, self._ext_fds = self._ext_fds, []
+        self._ext = []
+        _close_all(fds + ext)
 
 
 def _close_all(fds: Sequence[int]) -> None:

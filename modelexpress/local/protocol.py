@@ -8,7 +8,8 @@ target's session, one connection::
     target                                      source
     ------                                      ------
     connect
-    hello {v, source_id, token}        ----->   check v, source_id, token (constant time)
+    hello {v, source_id, token,        ----->   check v, source_id, token (constant time)
+           accepts}
                                        <-----   refused {reason}            -> close
                                        <-----   welcome {v, segments, batches}
                                        <-----   segments {items} + fds      (x batches,
@@ -32,7 +33,16 @@ kind       memory                                                handle
 memfd      host memory in a memfd (``HostBuffer``, host arena)   fd (``fd`` = index)
 vmm_fd     a CUDA VMM chunk (``cuMemCreate`` with POSIX-fd type)  fd from cuMemExport...
 cuda_ipc   a cudaMalloc allocation (PyTorch's caching allocator)  ``ipc`` (64 bytes, hex)
+file       the same bytes as part of a memfd segment, in the      fd of the file (read-only;
+           checkpoint file they were loaded from (:mod:`.origin`)  items may share one index)
 =========  ====================================================  ==========================
+
+A ``file`` segment's ``offset`` is where its first byte lies in the file. It never
+stands alone: the memfd segment over the same addresses is the reference a target
+falls back to (bytes not in the page cache, digests that do not match). A source
+sends ``file`` segments only to a target whose hello lists ``"file"`` in ``accepts``
+(a target from before them would refuse the unknown kind), and only while the file is
+unchanged since the load.
 
 ``addr`` is the start of the allocation in the source's address space: a tensor of
 the source's manifest at ``addr + k`` is at offset ``k`` of the mapped segment.
@@ -54,13 +64,14 @@ from typing import Any
 
 from modelexpress.errors import ConfigError, PeerError
 
-__all__ = ["VERSION", "MAX_FDS_PER_MESSAGE", "MAX_MESSAGE_BYTES", "SEGMENT_KINDS",
+__all__ = ["VERSION", "MAX_FDS_PER_MESSAGE", "MAX_MESSAGE_BYTES", "SEGMENT_KINDS", "HOST_KINDS",
            "LocalEndpoint", "Segment", "send", "recv", "socket_path"]
 
 VERSION = 1
 MAX_FDS_PER_MESSAGE = 200     # the kernel's SCM_MAX_FD is 253
 MAX_MESSAGE_BYTES = 1 << 16   # segment batches stay far below a SEQPACKET's send buffer
-SEGMENT_KINDS = ("memfd", "vmm_fd", "cuda_ipc")
+SEGMENT_KINDS = ("memfd", "vmm_fd", "cuda_ipc", "file")
+HOST_KINDS = ("memfd", "file")  # host memory: no GPU to name
 _SUN_PATH_MAX = 107           # sockaddr_un.sun_path is 108 bytes with the NUL
 
 
@@ -133,6 +144,7 @@ class Segment:
             process's once :func:`~modelexpress.local.devices.local_segments` mapped it.
         ipc: the CUDA IPC handle (``cuda_ipc`` only).
         gpu: the GPU's UUID (device segments); what other processes go by.
+        offset: where a ``file`` segment's bytes start in its file.
     """
 
     kind: str
@@ -141,16 +153,20 @@ class Segment:
     device: int
     ipc: bytes | None = None
     gpu: str = ""
+    offset: int = 0
 
     def to_item(self, fd_index: int) -> dict[str, Any]:
-        return {"kind": self.kind, "addr": self.addr, "size": self.size,
+        item = {"kind": self.kind, "addr": self.addr, "size": self.size,
                 "device": self.device, "gpu": self.gpu, "fd": fd_index,
                 "ipc": self.ipc.hex() if self.ipc is not None else None}
+        if self.kind == "file":
+            item["offset"] = self.offset
+        return item
 
     @property
     def where(self) -> str:
         """For logs: ``host`` or the GPU's UUID."""
-        return "host" if self.kind == "memfd" else (self.gpu or f"source cuda:{self.device}")
+        return "host" if self.kind in HOST_KINDS else (self.gpu or f"source cuda:{self.device}")
 
     @classmethod
     def from_item(cls, item: Mapping[str, Any]) -> tuple[Segment, int]:
@@ -159,11 +175,11 @@ class Segment:
             seg = cls(kind=kind, addr=int(item["addr"]), size=int(item["size"]),
                       device=int(item["device"]),
                       ipc=bytes.fromhex(item["ipc"]) if item.get("ipc") else None,
-                      gpu=str(item.get("gpu") or ""))
+                      gpu=str(item.get("gpu") or ""), offset=int(item.get("offset") or 0))
             fd_index = int(item["fd"])
         except (KeyError, TypeError, ValueError) as exc:
             raise PeerError(f"malformed segment from the source: {item!r} ({exc})") from exc
-        if kind not in SEGMENT_KINDS or seg.size <= 0 or seg.addr < 0:
+        if kind not in SEGMENT_KINDS or seg.size <= 0 or seg.addr < 0 or seg.offset < 0:
             raise PeerError(f"bad segment from the source: {item!r}")
         if (kind == "cuda_ipc") != (seg.ipc is not None) or (kind == "cuda_ipc") != (fd_index < 0):
             raise PeerError(f"segment {item!r}: a cuda_ipc segment carries an IPC handle and "

@@ -57,10 +57,12 @@ _JOIN_S = 10.0           # close() waits this long for peer threads
 class _Shared:
     """A registered segment and how to get a descriptor for one peer."""
 
-    __slots__ = ("segment", "fd", "owns_fd")
+    __slots__ = ("segment", "fd", "owns_fd", "origin")
 
-    def __init__(self, segment: Segment, fd: int = -1, owns_fd: bool = False) -> None:
+    def __init__(self, segment: Segment, fd: int = -1, owns_fd: bool = False,
+                 origin: Any = None) -> None:
         self.segment, self.fd, self.owns_fd = segment, fd, owns_fd
+        self.origin = origin  # a file segment's local.origin.FileOrigin
 
 
 class LocalSource(ClosedOnCollect):
@@ -126,8 +128,14 @@ class LocalSource(ClosedOnCollect):
         return self._token
 
     def add_host_buffer(self, buf: "HostBuffer") -> None:
-        """Serve a :class:`~modelexpress.local.memory.HostBuffer` (it must stay open)."""
+        """Serve a :class:`~modelexpress.local.memory.HostBuffer` (it must stay open),
+        and the runs of it loaded from checkpoint files as those files' page cache
+        (``buf.file_extents``; :mod:`.origin`)."""
         self._add(_Shared(Segment("memfd", buf.addr, buf.nbytes, -1), buf.fd, owns_fd=False))
+        for ext in buf.file_extents:
+            self._add(_Shared(Segment("file", buf.addr + ext.buf_offset, ext.nbytes, -1,
+                                      offset=ext.file_offset),
+                              ext.origin.fd, owns_fd=False, origin=ext.origin))
 
     def add_vmm_arena(self, arena: "VmmArena") -> int:
         """Serve every live chunk of a VMM arena (host or CUDA backend).
@@ -252,7 +260,7 @@ class LocalSource(ClosedOnCollect):
                                                name=f"mx-local-{self.source_id}")
         self._accept_thread.start()
         log.info("local source %s serving %d segments (%d bytes; %s) on %s", self.source_id,
-                 len(self._shared), sum(s.segment.size for s in self._shared),
+                 len(self._shared), sum(s.segment.size for s in self._shared if s.origin is None),
                  ", ".join(dict.fromkeys(s.segment.where for s in self._shared)) or "nothing",
                  self.path)
         return self.endpoint
@@ -331,11 +339,11 @@ class LocalSource(ClosedOnCollect):
                 handed = True
                 self._refuse(conn, reason)
                 return
-            self._send_segments(conn)
+            accepts = msg.get("accepts") if msg is not None else None
+            sent = self._send_segments(conn, isinstance(accepts, list) and "file" in accepts)
             with self._lock:
                 self.counters["served"] += 1
-            log.info("local source %s: %s mapped %d segments", self.source_id, peer,
-                     len(self._shared))
+            log.info("local source %s: %s mapped %d segments", self.source_id, peer, sent)
             self._hold(conn, peer)
         except (OSError, PeerError, ValueError) as exc:
             with self._lock:
@@ -360,15 +368,21 @@ class LocalSource(ClosedOnCollect):
             return "wrong credential"
         return ""
 
-    def _send_segments(self, conn: socket.socket) -> None:
+    def _send_segments(self, conn: socket.socket, files: bool) -> int:
+        """Send the segments (``file`` ones only when ``files`` and their file is
+        unchanged); returns how many."""
         with self._lock:
             shared = list(self._shared)
+        fresh: dict[int, bool] = {}  # one fstat per origin per peer
+        shared = [s for s in shared if s.origin is None or (
+            files and fresh.setdefault(id(s.origin), s.origin.unchanged()))]
         per = protocol.MAX_FDS_PER_MESSAGE
         batches = [shared[i:i + per] for i in range(0, len(shared), per)]
         protocol.send(conn, {"op": "welcome", "v": protocol.VERSION,
                              "segments": len(shared), "batches": len(batches)})
         for batch in batches:
             items, fds, opened = [], [], []
+            index: dict[int, int] = {}  # file segments of one file share its descriptor
             try:
                 for s in batch:
                     seg = s.segment
@@ -381,6 +395,12 @@ class LocalSource(ClosedOnCollect):
                         opened.append(fd)
                     else:
                         fd = s.fd
+                    if seg.kind == "file":
+                        if fd not in index:
+                            index[fd] = len(fds)
+                            fds.append(fd)
+                        items.append(seg.to_item(index[fd]))
+                        continue
                     items.append(seg.to_item(len(fds)))
                     fds.append(fd)
                 protocol.send(conn, {"op": "segments", "items": items}, fds)
@@ -389,6 +409,7 @@ class LocalSource(ClosedOnCollect):
                 # in-flight files; closing ours now is what keeps a peer's fds from
                 # piling up here.
                 protocol.close_fds(opened)
+        return len(shared)
 
     def _hold(self, conn: socket.socket, peer: str) -> None:
         conn.settimeout(_ACCEPT_POLL_S)

@@ -1,10 +1,14 @@
 """Source and target processes of the local-transport tests (run as scripts).
 
-source: ``python _peers.py source OUT.json --layout buffer|arena|buffers --seed S --mib N
-    [--digest ALGO]``
+source: ``python _peers.py source OUT.json --layout buffer|arena|buffers|checkpoint|
+    checkpoint_stale --seed S --mib N [--digest ALGO]``
     builds seeded tensors in shareable host memory, starts a LocalSource, writes
     {"endpoint", "manifest", "pid"} to OUT.json (atomically), then serves until stdin
-    closes or it is killed.
+    closes or it is killed. ``checkpoint``: the tensors saved as a safetensors file next
+    to OUT.json ("checkpoint" in OUT.json) and loaded back as ``modelexpress publish``
+    does (``load_checkpoint_shared``: the file's page cache served too);
+    ``checkpoint_stale``: the same, but the buffer's file origin is a second file whose
+    first tensor differs (a file changed in a way no fstat shows).
 target: ``python _peers.py target IN.json [--token T]`` pulls everything and prints one
     JSON line: {"ok", "pid", "nbytes", "copies", "error", "fds_before", "fds_after"}.
 """
@@ -45,7 +49,25 @@ def run_source(args: argparse.Namespace) -> None:
     tensors = make_tensors(args.seed, args.mib)
     keep: list[object] = []
     src = LocalSource(args.ipc_dir, host_id=host_id())
-    if args.layout == "buffer":
+    checkpoint = ""
+    if args.layout in ("checkpoint", "checkpoint_stale"):
+        from modelexpress.checkpoint import load_checkpoint_shared, save_checkpoint
+        from modelexpress.local.origin import FileOrigin
+        checkpoint = str(save_checkpoint(tensors, args.out + ".ckpt")[0])
+        buf, shared = load_checkpoint_shared(checkpoint)
+        if args.layout == "checkpoint_stale":
+            other = dict(tensors)
+            first = next(iter(other))
+            other[first] = other[first].clone()
+            other[first].view(torch.uint8)[0] ^= 0xFF
+            stale = str(save_checkpoint(other, args.out + ".stale")[0])
+            buf.close()
+            from modelexpress.checkpoint import load_checkpoint
+            buf, shared = host_buffer_like(load_checkpoint(checkpoint))  # no origin yet
+            assert buf.add_origins([FileOrigin(stale)], shared) > 0
+        keep.append(buf)
+        src.add_host_buffer(buf)
+    elif args.layout == "buffer":
         buf, shared = host_buffer_like(tensors)
         keep.append(buf)
         src.add_host_buffer(buf)
@@ -87,7 +109,7 @@ def run_source(args: argparse.Namespace) -> None:
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"endpoint": src.endpoint.to_json(), "manifest": manifest.to_json(),
-                   "pid": os.getpid()}, f)
+                   "pid": os.getpid(), "checkpoint": checkpoint}, f)
     os.rename(tmp, args.out)
     sys.stdin.read()  # serve until the test closes our stdin
     src.close()
@@ -137,6 +159,7 @@ def run_target(args: argparse.Namespace) -> None:
         out["equal"] = all(torch.equal(want[k].view(torch.uint8), dst[k].cpu().view(torch.uint8))
                            for k in want)
         out["segments"] = res.segments
+        out["page_cache_bytes"] = res.page_cache_bytes
     except Exception as exc:  # noqa: BLE001 - reported to the test as JSON
         out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
     if arena is not None:
@@ -164,7 +187,8 @@ def main() -> None:
     p.add_argument("role", choices=["source", "target"])
     p.add_argument("path")
     p.add_argument("--layout", default="buffer",
-                   choices=["buffer", "buffers", "arena", "cuda", "vmm"])
+                   choices=["buffer", "buffers", "arena", "cuda", "vmm", "checkpoint",
+                            "checkpoint_stale"])
     p.add_argument("--device", default="cuda:0", help="source device of the cuda/vmm layouts")
     p.add_argument("--dst-device", default="cpu", help="target's destination device")
     p.add_argument("--seed", type=int, default=1)

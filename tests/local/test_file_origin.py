@@ -1,0 +1,108 @@
+"""A source loaded from a checkpoint file also serves the file's page cache (issue #24).
+
+Real processes (tests/local/_peers.py): the source loads a safetensors checkpoint as
+``modelexpress publish`` does; targets pull with digests verified and compare every
+byte with the seeded data. Each fallback to the memfds is exercised: a file changed
+on disk after the load, a change no fstat shows (caught by the digests), an evicted
+page cache, and a target that does not ask for file segments.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.local.conftest import PEERS, ROOT
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def _target(src, *extra: str) -> dict:  # type: ignore[no-untyped-def]
+    proc = subprocess.run([sys.executable, str(PEERS), "target", str(src.info_path),
+                           "--seed", str(src.seed), "--mib", str(src.mib), *extra],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"log": proc.stderr}
+
+
+def _nowait_works(path: str) -> bool:
+    """Whether this filesystem reads without waiting (tmpfs does not: the memfds then)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+        return True
+    except OSError as exc:
+        return exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL)
+    finally:
+        os.close(fd)
+
+
+def test_a_source_loaded_from_a_checkpoint_serves_its_page_cache_and_every_byte_arrives(
+        make_source):
+    src = make_source("checkpoint", mib=12)
+    out = _target(src)
+    assert out["ok"], out["error"]
+    from modelexpress.transfer.manifest import Manifest
+    assert out["equal"] and out["verified"] == len(Manifest.from_json(src.info["manifest"]).tensors)
+    assert out["segments"].get("file", 0) >= 2  # unaligned tensors: several extents, one fd
+    if _nowait_works(src.info["checkpoint"]):
+        assert out["page_cache_bytes"] == out["nbytes"]
+    else:
+        assert out["page_cache_bytes"] == 0
+    assert out["fds_after"] == out["fds_before"]
+
+
+def test_a_checkpoint_rewritten_in_place_after_the_load_is_served_from_the_memfd_only(
+        make_source):
+    src = make_source("checkpoint", mib=4)
+    path = src.info["checkpoint"]
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # the last byte of the data, changed in place
+        f.seek(st.st_size - 1)
+        last = f.read(1)
+        f.seek(st.st_size - 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime back: ctime still tells
+    out = _target(src)
+    assert out["ok"], out["error"]
+    assert out["equal"] and out["page_cache_bytes"] == 0
+    assert "file" not in out["segments"]
+
+
+def test_file_bytes_that_fail_their_digest_are_copied_again_from_the_memfds(make_source):
+    src = make_source("checkpoint_stale", mib=4)
+    out = _target(src)
+    assert out["ok"], out["error"]
+    assert out["equal"] and out["page_cache_bytes"] == 0
+    assert "copying everything again from its memfds" in out["log"]
+
+
+def test_an_evicted_page_cache_is_read_from_the_memfds_without_waiting_for_the_disk(
+        make_source):
+    src = make_source("checkpoint", mib=8)
+    path = src.info["checkpoint"]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    out = _target(src)
+    assert out["ok"], out["error"]
+    assert out["equal"]
+    assert out["page_cache_bytes"] < out["nbytes"]
+
+
+def test_a_target_that_does_not_ask_for_file_segments_gets_memfds_only(make_source):
+    from modelexpress.local import LocalEndpoint, LocalSession
+    src = make_source("checkpoint", mib=2)
+    ep = LocalEndpoint.from_json(src.info["endpoint"])
+    with LocalSession(ep, files=False) as old:
+        assert {s.kind for s in old.segments} == {"memfd"}
+    with LocalSession(ep) as new:
+        assert {s.kind for s in new.segments} == {"memfd", "file"}
