@@ -239,7 +239,7 @@ def bench_fanout(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.
 
 def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.Path,
                 sizes: list[int], checkpoint: pathlib.Path | None, model: str,
-                chunk: int, queue_ms: float = 100.0) -> dict[str, Any]:
+                chunk: int, queue_ms: float = 100.0, write_out: bool = True) -> dict[str, Any]:
     """N targets started at once through the fleet relay (see the module docstring)."""
     tag = "u" if checkpoint is not None else "m"
     origin = cluster.add_host(f"{tag}org")
@@ -252,12 +252,12 @@ def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.P
     with fleet.client() as c:
         nbytes = sum(e["nbytes"] for e in c.get_source(info["source_id"]).manifest["tensors"])
     out: dict[str, Any] = {"bytes": nbytes, "t1_s": round(nbytes * 8 / (cap * 1e6), 3),
-                           "chunk_bytes": chunk, "queue_ms": queue_ms}
+                           "chunk_bytes": chunk, "queue_ms": queue_ms, "write_out": write_out}
     env = {"MX_RELAY_CHUNK_BYTES": str(chunk), "MX_TRANSFER_STALL_S": "10"}
     for n in sorted({1, *sizes}):
         hosts = targets[:n]
         ids = [f"{tag}rel{n}-{h.name}" for h in hosts]
-        agents = [fleet.agent(h, aid, work / aid, env=env)  # fan-out on: the default
+        agents = [fleet.agent(h, aid, work / aid if write_out else None, env=env)  # fan-out on
                   for h, aid in zip(hosts, ids)]
         fleet.wait_agents(ids)
         nic0 = {h.name: h.nic_bytes() for h in [origin, *hosts]}
@@ -308,6 +308,11 @@ def main() -> None:
                         help="checkpoints of the relay part (uniform, minilm)")
     parser.add_argument("--relay-chunk", type=int, default=2 << 20,
                         help="MX_RELAY_CHUNK_BYTES of the relay part")
+    parser.add_argument("--relay-no-out", action="store_true",
+                        help="relay part: agents keep transfers in memory (no --out): the "
+                             "finish is the last verified byte, not a safetensors write that "
+                             "N hosts' disks would do in parallel but this machine's one disk "
+                             "does N times")
     parser.add_argument("--queue-ms", type=float, default=100.0,
                         help="tbf queue (latency) of the relay part's links, in ms")
     args = parser.parse_args()
@@ -349,7 +354,7 @@ def main() -> None:
                               else (None, MODEL))
                 result["relay"][which] = bench_relay(cluster, fleet, args.cap, work, sizes,
                                                      ckpt, name, args.relay_chunk,
-                                                     args.queue_ms)
+                                                     args.queue_ms, not args.relay_no_out)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(result))
 

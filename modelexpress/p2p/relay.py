@@ -98,7 +98,8 @@ _STILL_WAITING_EVERY_S = 10.0
 _ORIGIN_RETRIES = 2      # READs of the origin (last on every path) that may fail and be retried
 _WORD_POLL_MIN_S = 0.0002   # watermark word: first wait after a poll that found nothing new
 _WORD_POLL_MAX_S = 0.005    # ...doubling to this while the upstream has nothing new
-_WORD_DEADLINE_S = 5.0      # one watermark READ (or MX_TRANSFER_STALL_S when shorter)
+_WORD_DEADLINE_S = 5.0
+_ADVERT_EVERY_S = 0.1       # the least time between two pushes of bytes_done      # one watermark READ (or MX_TRANSFER_STALL_S when shorter)
 
 WATERMARK_ATTRIBUTE = "relay_watermark"  # manifest attribute: {"addr": int, "bytes": 16}
 _WORD_BYTES = 16
@@ -273,6 +274,14 @@ class _Advertiser:
                 value = self._value
             self._report(value, self._total)
             self._sent = value
+            if not self._closed:
+                # Readers follow the watermark word; this record is their fallback and
+                # the REST view: a few pushes a second spare the server (and the CPU a
+                # fleet on one host shares) one request per piece per target.
+                until = time.monotonic() + _ADVERT_EVERY_S
+                with self._cond:
+                    while not self._closed and time.monotonic() < until:
+                        self._cond.wait(max(until - time.monotonic(), 0.0))
 
     def close(self) -> None:
         with self._cond:
@@ -431,6 +440,7 @@ class _Holder:
         self.pieces: "Manifest | None" = None  # its manifest cut into _Pieces
         self.word: "RemoteWord | None" = None  # its watermark word, once connected
         self.wait_s = _WORD_POLL_MIN_S  # next sleep while it has nothing new
+        self.opened = False  # a READ of its pieces completed on the current connection
 
 
 class RelayReader:
@@ -672,7 +682,10 @@ class RelayReader:
                             deadline_s=max(end - time.monotonic(), 1.0), stop=stop,
                             verify=False, on_tensor_done=piece_done,  # digests: _Pieces
                             stall_s=self.stall_s or None,
-                            refuse_slow_transport=self.refuse_slow_transport))
+                            refuse_slow_transport=self.refuse_slow_transport,
+                            connect=not h.opened,  # one connect READ per connection
+                            patient=True))  # pieces over a NIC: no spinning
+                        h.opened = True
                     if h.ref not in self.read_from:
                         self.read_from.append(h.ref)
                 except TransferCancelledError:
@@ -690,7 +703,7 @@ class RelayReader:
                                     "verified so far): %s", h.ref, state["mark"], total, exc)
                         if h.peer is not None:
                             self.manager.remove_peer(h.peer)
-                            h.peer = None
+                            h.peer, h.opened = None, False
                         continue
                     if isinstance(exc, TransferTimeoutError) and time.monotonic() > end:
                         raise

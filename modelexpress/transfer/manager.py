@@ -75,6 +75,9 @@ log = logging.getLogger(__name__)
 
 # How often a serving agent reads UCX's log file (to relay UCX's warnings).
 _REPORT_POLL_S = 5.0
+# read(patient=True): polls of a chunk before sleeping, and the longest sleep.
+_PATIENT_SPIN_POLLS = 20
+_PATIENT_MAX_NAP_S = 0.001
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,7 +478,8 @@ class NixlTransferManager(ClosedOnCollect):
              verify: bool = True, refuse_slow_transport: bool = False,
              on_tensor_done: Callable[[str], None] | None = None,
              probe_bytes: int = 64 << 20, max_inflight: int = 2,
-             stall_s: float | None = None) -> TransferResult:
+             stall_s: float | None = None, connect: bool = True,
+             patient: bool = False) -> TransferResult:
         """READ the manifest's tensors from ``peer`` into ``local``.
 
         Validation (names, dtypes, shapes, sizes) happens before any byte moves.
@@ -505,6 +509,13 @@ class NixlTransferManager(ClosedOnCollect):
                 long while one is in flight (``MX_TRANSFER_STALL_S``): a cut link or a
                 hung peer is left for the next source instead of holding the pull
                 until ``deadline_s``. None: only the deadline bounds a READ.
+            connect: READ a few KiB before the clock starts (``connect_seconds``; where
+                UCX reports its protocols for the peer). False for a peer this manager
+                already read from: a fleet relay reads one holder piece by piece, and
+                that round trip per READ would idle its link.
+            patient: the link is slow for the chunk size (a fleet relay's pieces over a
+                NIC): poll each chunk a few times, then sleep between polls (doubling to
+                1 ms), instead of spinning first as a fast link wants.
 
         Returns:
             A :class:`TransferResult`.
@@ -554,7 +565,9 @@ class NixlTransferManager(ClosedOnCollect):
                               on_tensor_done, max_inflight, expected, refuse_slow_transport,
                               probe_bytes, watch,
                               done_notification=f"mx-read-done {self.name} {plan.total_bytes}"
-                              .encode(), stall_s=stall_s)
+                              .encode(), stall_s=stall_s, connect=connect,
+                              **({"spin_polls": _PATIENT_SPIN_POLLS,
+                                  "max_nap_s": _PATIENT_MAX_NAP_S} if patient else {}))
             seconds, verify_s, probe_verdict = runner.run()
         facts = watch.facts()
         total = plan.total_bytes

@@ -65,9 +65,16 @@ class ReadLoop:
                  progress: ProgressCallback | None, stop: StopSignal | None,
                  on_tensor_done: Callable[[str], None] | None, max_inflight: int,
                  expected: str, refuse: bool, probe_bytes: int, watch: "ReadWatch",
-                 done_notification: bytes = b"", stall_s: float | None = None) -> None:
+                 done_notification: bytes = b"", stall_s: float | None = None,
+                 connect: bool = True, spin_polls: int = _SPIN_POLLS,
+                 max_nap_s: float = _POLL_SLEEP_S) -> None:
         self.agent, self.plan, self.local = agent, plan, local
         self.done_notification = done_notification
+        self.connect = connect  # False: the peer's memory was opened by an earlier READ
+        # Polls of a chunk before sleeping between them, and the longest sleep (the
+        # first is _POLL_SLEEP_S, doubling): a reader of a slow link asks for few polls
+        # and longer sleeps, since every poll and wake-up costs CPU its host may share.
+        self.spin_polls, self.max_nap_s = spin_polls, max(max_nap_s, _POLL_SLEEP_S)
         self.peer, self.algo, self.deadline_s = peer, algo, deadline_s
         self.progress, self.stop, self.on_tensor_done = progress, stop, on_tensor_done
         self.max_inflight, self.expected, self.refuse = max_inflight, expected, refuse
@@ -113,6 +120,7 @@ class ReadLoop:
         once ``stall_s`` has passed since ``since`` (monotonic: the last time a byte
         landed) with nothing landing."""
         polls = 0
+        nap = _POLL_SLEEP_S
         stall_at = (since + self.stall_s) if (self.stall_s and since is not None) else None
         while True:
             state = self.agent.state(req, self.peer, nbytes)
@@ -131,8 +139,9 @@ class ReadLoop:
                          now - (deadline - self.deadline_s))
                 self._last_log = now
             polls += 1
-            if polls > _SPIN_POLLS:
-                time.sleep(_POLL_SLEEP_S)
+            if polls > self.spin_polls:
+                time.sleep(nap)
+                nap = min(2 * nap, self.max_nap_s)
 
     def _connect(self, deadline: float) -> None:
         """READ the first few KiB of the first piece before the clock starts.
@@ -188,7 +197,8 @@ class ReadLoop:
             if plan.chunks:
                 local_h = agent.prep(None, plan.local_descs, plan.local_mem)  # type: ignore[arg-type]
                 remote_h = agent.prep(peer, plan.remote_descs, plan.remote_mem)  # type: ignore[arg-type]
-                self._connect(deadline)
+                if self.connect:
+                    self._connect(deadline)
             t0 = time.perf_counter()
             next_chunk, done_bytes, stopping = 0, 0, False
             landed = t0

@@ -102,10 +102,12 @@ class Fleet:
         return host.run([MX, "pull", "--model", model, "--out", str(out), "--json", *args],
                         "pull", self.env(**(env or {})))
 
-    def agent(self, host: Host, agent_id: str, out: pathlib.Path, *, args: Sequence[str] = (),
-              env: dict[str, str] | None = None) -> HostProcess:
-        """Start ``modelexpress agent`` in ``host`` (it runs REST-started transfers)."""
-        return host.run([MX, "agent", "--id", agent_id, "--out", str(out), *args], "agent",
+    def agent(self, host: Host, agent_id: str, out: pathlib.Path | None, *,
+              args: Sequence[str] = (), env: dict[str, str] | None = None) -> HostProcess:
+        """Start ``modelexpress agent`` in ``host`` (it runs REST-started transfers; with
+        ``out`` None it keeps them in memory only, serving them onward)."""
+        write = ["--out", str(out)] if out is not None else []
+        return host.run([MX, "agent", "--id", agent_id, *write, *args], "agent",
                         self.env(**(env or {})))
 
     def wait_agents(self, ids: Sequence[str], deadline_s: float = START_DEADLINE_S) -> None:
