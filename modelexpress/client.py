@@ -396,7 +396,7 @@ class MxClient(ClosedOnCollect):
     def start_transfer(self, identity: ModelIdentity | str, target_worker: str, *,
                        source_id: str | None = None,
                        policy: Literal["random", "spread"] | None = None,
-                       run_by_target: bool = False) -> TransferInfo:
+                       run_by_target: bool = False, relay_read: bool = False) -> TransferInfo:
         """Start a transfer of ``identity`` to the agent ``target_worker`` (PENDING).
 
         Not retried after the request may have reached the server (it would start a
@@ -406,6 +406,8 @@ class MxClient(ClosedOnCollect):
         Args:
             run_by_target: the calling process runs the pull itself and reports on it
                 (what :func:`modelexpress.p2p.pull` does); no agent claims it.
+            relay_read: with ``run_by_target``: the server plans it at once as a fleet
+                relay reader (``relay_path`` may start at a relaying agent's transfer).
 
         Raises:
             ConflictError: no READY source (or the named source is not READY).
@@ -416,7 +418,8 @@ class MxClient(ClosedOnCollect):
             "POST", "/v1/transfers", idempotent=False,
             json={"identity_id": ident, "target_worker": target_worker,
                   "source_id": source_id, "policy": policy,
-                  "run_by_target": run_by_target}))
+                  "run_by_target": run_by_target,
+                  **({"relay_read": True} if relay_read else {})}))
 
     def rank_sources(self, identity: ModelIdentity | str, *,
                      policy: Literal["random", "spread"] | None = None,

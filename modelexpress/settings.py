@@ -130,11 +130,13 @@ class MxSettings(BaseSettings):
         True, "p2p",
         "An agent serves the chunks of a transfer it has verified while it still receives, "
         "and reads from other targets that do (fleet relay: the origin sends the model "
-        "about once however many targets start together).")
+        "about once however many targets start together); modelexpress pull reads from "
+        "relaying agents but relays to nobody.")
     relay_chunk_bytes: int = _field(
         4 * _MIB, "p2p",
-        "Fleet relay: bytes per relayed chunk (whole tensors; a larger tensor is a chunk of "
-        "its own). Smaller chunks shorten a relay chain's pipeline; each costs a READ.",
+        "Fleet relay: most bytes per relayed piece (a larger tensor is cut into pieces, "
+        "verified when whole). Smaller pieces shorten each hop of a relay chain; each "
+        "piece is a NIXL request.",
         gt=0)
     relay_readers_per_source: int = _field(
         0, "p2p",

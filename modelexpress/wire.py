@@ -242,7 +242,8 @@ class TransferInfo(_Parse):
                           "rate, verdict, seconds); null until then or when not reported.")
     relay_path: tuple[str, ...] = Field(
         (), description="Fleet relay: the holders the target reads from, chosen when an "
-                        "agent that relays claimed it (s:<source id>, t:<transfer id> of a "
+                        "agent that relays claimed it, or at creation for a pull that asked "
+                        "(relay_read) (s:<source id>, t:<transfer id> of a "
                         "target still receiving), its upstream first and a READY source last; "
                         "empty otherwise.")
 

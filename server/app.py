@@ -382,7 +382,8 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
         """Start a transfer; it is PENDING until the target agent claims and runs it."""
         rec = cp.create_transfer(body.identity_id, body.target_worker,
                                  source_id=body.source_id, policy=body.policy,
-                                 run_by_target=body.run_by_target)
+                                 run_by_target=body.run_by_target,
+                                 relay_read=body.relay_read)
         wakeup.notify()
         return rec
 

@@ -129,6 +129,10 @@ class TransferCreate(_Model):
     run_by_target: bool = Field(
         False, description="The target process runs the pull itself (library, CLI, vLLM "
                            "loader) and reports on it; no agent claims the transfer.")
+    relay_read: bool = Field(
+        False, description="With run_by_target: plan the transfer now as a fleet-relay "
+                           "reader (relay_path), so it may read the chunks of a relaying "
+                           "agent's live transfer; it relays to nobody itself.")
 
 
 class ProgressIn(_Model):

@@ -304,12 +304,16 @@ class ControlPlane:
 
     def create_transfer(self, identity_id: str, target_worker: str, *,
                         source_id: str | None = None, policy: str | None = None,
-                        run_by_target: bool = False) -> Record:
+                        run_by_target: bool = False, relay_read: bool = False) -> Record:
         """Start a transfer (PENDING) of ``identity_id`` to ``target_worker``.
 
         Args:
             run_by_target: the target process runs the pull itself (library, CLI,
                 vLLM loader): the record is born claimed, so no agent picks it up.
+            relay_read: with ``run_by_target`` and no named source, plan it now as an
+                agent's claim is planned (:meth:`_plan_claim`): a ``relay_path`` that may
+                start at a relaying agent's live transfer. It is no holder itself (a
+                pull process does not relay: ``relay`` stays false).
 
         Returns:
             The record; ``candidates`` lists the READY sources in the order to try
@@ -341,7 +345,13 @@ class ControlPlane:
             "run_by_target": run_by_target, "candidates": candidates, "outcome": None,
             "source_named": source_id is not None,  # the claim keeps a source asked for
         }
-        self.store.create("transfers", record)
+        if run_by_target and relay_read and source_id is None:
+            # Born claimed, so planned now: the claim is the creation.
+            with self._claim_lock:
+                record.update(self._plan_claim(record, {"relay": "1"}, holder=False))
+                self.store.create("transfers", record)
+        else:
+            self.store.create("transfers", record)
         log.info("transfer %s created: %s from %s to %s", record["id"], identity_id,
                  src["worker_id"], target_worker)
         return record
@@ -561,7 +571,8 @@ class ControlPlane:
                             agent_id, now - t.get("claimed_at", t["updated_at"]))
         return claimed
 
-    def _plan_claim(self, t: Record, labels: dict[str, str]) -> dict[str, Any]:
+    def _plan_claim(self, t: Record, labels: dict[str, str], *, holder: bool = True
+                    ) -> dict[str, Any]:
         """Where a claimed transfer reads from, decided now rather than at creation.
 
         Every holder of the model counts its live readers; the relay planner
@@ -572,7 +583,9 @@ class ControlPlane:
         advertises it, and ``relay_path`` lists the holders behind it down to a READY
         source. A transfer that names a source no longer READY gets another holder;
         a source named at creation that is at its reader limit gives way to one that
-        is not.
+        is not. ``holder`` False: the transfer reads through relays but serves nobody
+        (a pull process, :meth:`create_transfer`'s ``relay_read``), so no later claim
+        reads from it.
 
         Returns:
             Fields to store on the record (nothing when no READY source is left: the
@@ -617,7 +630,7 @@ class ControlPlane:
                  "; all at their limit" if a.saturated else "")
         return {"source_id": src["id"], "source_worker": src["worker_id"],
                 "source_endpoint": src["endpoint"], "candidates": [src["id"], *ranked],
-                "relay": relays, "relay_path": list(a.path) if relays else [],
+                "relay": relays and holder, "relay_path": list(a.path) if relays else [],
                 "relay_uplink_mbit": _mbit(labels.get("uplink_mbit"))}
 
     def list_agents(self) -> list[Record]:

@@ -217,7 +217,9 @@ def pull(
         with support.progress_bar(not as_json, f"pull {model}") as update:
             result = do_pull(identity, None, client=client, progress=update, stop=stop,
                              options=PullOptions.from_settings(
-                                 settings, device=device, stripe=stripe, policy=policy),
+                                 settings, device=device, stripe=stripe, policy=policy,
+                                 # reads through relaying agents; relays to nobody
+                                 relay_read=settings.relay),
                              on_destination=holder.update)
         call_s = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -55,6 +55,11 @@ class PullOptions:
         local: the local transport (``MX_IPC_DIR``, ``MX_NODE_NAME``): sources on this
             host that publish a local endpoint are read through it, without NIXL;
             ``MX_IPC_DIR=off`` reads every source over NIXL.
+        relay_read: a tracked pull asks the server to plan it as a fleet-relay reader:
+            it may read each chunk from a relaying agent's live transfer as soon as that
+            agent verified it (:mod:`~modelexpress.p2p.relay`); it relays to nobody. The
+            CLI's ``pull`` sets it from ``MX_RELAY``; off by default elsewhere.
+        relay_chunk_bytes: bytes per relayed READ (``MX_RELAY_CHUNK_BYTES``).
 
     Raises:
         ConfigError: a value out of range; the message names the allowed ones.
@@ -78,6 +83,8 @@ class PullOptions:
     progress_interval_s: float = 0.5
     backend: str = "UCX"
     local: LocalOptions = LocalOptions()
+    relay_read: bool = False
+    relay_chunk_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         # Sequences given as lists stay hashable and immutable.
@@ -91,6 +98,7 @@ class PullOptions:
             ("stripe", self.stripe, self.stripe >= 1, ">= 1"),
             ("timeout_s", self.timeout_s, self.timeout_s > 0, "> 0"),
             ("chunk_bytes", self.chunk_bytes, self.chunk_bytes > 0, "> 0"),
+            ("relay_chunk_bytes", self.relay_chunk_bytes, self.relay_chunk_bytes > 0, "> 0"),
             ("stall_s", self.stall_s, self.stall_s >= 0, ">= 0 (0: only the deadline)"),
             ("max_gbps", self.max_gbps, self.max_gbps >= 0, ">= 0 (0: no cap)"),
             ("progress_interval_s", self.progress_interval_s, self.progress_interval_s >= 0,
@@ -120,6 +128,7 @@ class PullOptions:
             "max_gbps": settings.transfer_max_gbps,
             "backend": settings.nixl_backend,
             "local": LocalOptions.from_settings(settings),
+            "relay_chunk_bytes": settings.relay_chunk_bytes,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

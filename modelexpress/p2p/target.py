@@ -433,8 +433,11 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
     pause_builds()  # a digest kernel build waits for the pull (GIL: transfer.digest)
     try:
         with clock.phase("control_plane"):
-            candidate_ids, own_record = _candidates(client, identity, opts, record is not None)
+            candidate_ids, own_record, relay_path = _candidates(client, identity, opts,
+                                                                record is not None)
             tracker = tracker or own_record
+            factory = _compose(_relay_factory(client, relay_path, identity, opts, nixl),
+                               factory)
             by_preference = ([i for i in opts.prefer if i in candidate_ids]
                              + [i for i in candidate_ids if i not in set(opts.prefer)])
             if not by_preference:
@@ -454,7 +457,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         chosen = {info.id: factory(info, manifest) if factory is not None else None
                   for info, manifest in sources}
         first = sources[:opts.stripe] if opts.stripe > 1 else sources[:1]
-        needs_nixl = any(chosen[info.id] is None for info, _ in first)
+        needs_nixl = any(chosen[info.id] is None or isinstance(chosen[info.id], _RelayPull)
+                         for info, _ in first)
         with clock.phase("imports"):
             import torch  # noqa: F401 - a fresh process pays this here, on the critical path
             from modelexpress.transfer.planner import plan_read
@@ -560,16 +564,18 @@ def _skipped(info: "SourceInfo", reason: str) -> SkippedSource:
 
 
 def _candidates(client: "MxClient", identity: "ModelIdentity", opts: PullOptions,
-                has_record: bool) -> tuple[list[str], TransferTracker | None]:
-    """Source ids in the server's order and, when the pull tracks itself, its record."""
+                has_record: bool) -> tuple[list[str], TransferTracker | None, tuple[str, ...]]:
+    """Source ids in the server's order and, when the pull tracks itself, its record and
+    its ``relay_path`` (``opts.relay_read``; empty otherwise)."""
     if has_record or not opts.track:
-        return [s.id for s in client.rank_sources(identity, policy=opts.policy)], None  # type: ignore[arg-type]
+        return [s.id for s in client.rank_sources(identity, policy=opts.policy)], None, ()  # type: ignore[arg-type]
     from modelexpress.p2p.source import default_worker_id
 
     try:
         record = client.start_transfer(identity, opts.worker_id or default_worker_id("pull"),
                                        policy=opts.policy,  # type: ignore[arg-type]
-                                       run_by_target=True)
+                                       run_by_target=True,
+                                       relay_read=opts.relay_read and opts.stripe == 1)
     except ConflictError as exc:
         raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
                             f"rank {identity.rank}): {exc}") from exc
@@ -577,7 +583,48 @@ def _candidates(client: "MxClient", identity: "ModelIdentity", opts: PullOptions
              len(record.candidates))
     return list(record.candidates), TransferTracker(
         client, record.id, interval_s=opts.progress_interval_s, source_id=record.source_id,
-        run_by_target=True)
+        run_by_target=True), tuple(record.relay_path)
+
+
+class _RelayPull:
+    """The reader of a pull the server planned behind a relaying agent's live transfer:
+    a :class:`~modelexpress.p2p.relay.RelayReader` over the pull's NIXL manager, made
+    when the read starts (the manager may still be starting). It advertises nothing:
+    a pull process relays to nobody (docs/DEPLOYMENT.md, "Fleet scale-up")."""
+
+    def __init__(self, client: "MxClient", info: "SourceInfo", manifest: "Manifest",
+                 path: tuple[str, ...], identity: "ModelIdentity", opts: PullOptions,
+                 nixl: _Nixl) -> None:
+        self.client, self.info, self.manifest, self.path = client, info, manifest, path
+        self.identity, self.opts, self.nixl = identity, opts, nixl
+
+    def read_into(self, dest: Mapping[str, "torch.Tensor"], *, allow_partial: bool,
+                  progress: Callable[[int, int], None], stop: "StopSignal | None",
+                  deadline_s: float) -> "TransferResult":
+        from modelexpress.p2p.relay import RelayReader
+
+        reader = RelayReader(self.client, self.nixl.get(dest), self.info, self.manifest,
+                             self.path, identity_id=self.identity.id,
+                             chunk_bytes=self.opts.relay_chunk_bytes,
+                             stall_s=self.opts.stall_s, verify=self.opts.verify,
+                             refuse_slow_transport=self.opts.refuse_slow_transport)
+        result = reader.read_into(dest, allow_partial=allow_partial, progress=progress,
+                                  stop=stop, deadline_s=deadline_s)
+        log.info("pull of %s read through %s", self.identity.model, ", ".join(reader.read_from))
+        return result
+
+
+def _relay_factory(client: "MxClient", path: tuple[str, ...], identity: "ModelIdentity",
+                   opts: PullOptions, nixl: _Nixl) -> "ReaderFactory | None":
+    """The reader of the path's origin when the server put this pull behind a relaying
+    transfer (``t:`` first on its ``relay_path``); None otherwise."""
+    if not path or not path[0].startswith("t:"):
+        return None
+    from modelexpress.p2p.relay_plan import source_ref
+
+    return lambda info, manifest: (_RelayPull(client, info, manifest, path, identity, opts,
+                                              nixl)
+                                   if source_ref(info.id) == path[-1] else None)
 
 
 def _fetch_sources(client: "MxClient", ids: Sequence[str], opts: PullOptions,

@@ -87,3 +87,51 @@ def test_three_agents_claimed_together_form_a_chain_and_every_byte_is_the_origin
             a.close()
         for c in clients:
             c.close()
+
+
+def test_a_pull_started_while_an_agent_relays_reads_through_it(
+        patient_cluster: Cluster, tmp_path: pathlib.Path) -> None:
+    """``modelexpress pull`` (here the library pull it runs, with ``relay_read`` as the
+    CLI sets it from MX_RELAY) is planned behind a relaying agent's live transfer and
+    reads its chunks from it; it relays to nobody itself. The agent is rate-capped so
+    that it is still receiving when the pull starts."""
+    from modelexpress.p2p.options import PullOptions
+    from modelexpress.p2p.target import pull
+
+    cluster = patient_cluster
+    _, published = cluster.source()
+    settings = MxSettings(ipc_dir="off", transfer_max_gbps=0.03)
+    client = MxClient(cluster.server.url, token=cluster.server.token, timeout_s=10.0)
+    agent = Agent(client, "relay-agent-slow", AgentOptions.from_settings(
+        settings, out_dir=tmp_path / "out", relay_chunk_bytes=2 << 20))
+    try:
+        agent.warm_up()
+        agent.register()
+        ident = ModelIdentity(model=MODEL, dtype="float32")
+        up = cluster.client.start_transfer(ident, agent.agent_id)
+        (claimed,) = cluster.wait_for(
+            lambda: agent.client.poll_assignments(agent.agent_id, wait_s=1.0), "the claim")
+        states: dict[str, str] = {}
+        th = threading.Thread(target=lambda: states.update(up=agent.execute(claimed)))
+        th.start()
+        try:
+            cluster.wait_for(lambda: cluster.client.get_transfer(up.id).bytes_done > 0,
+                             "the agent's first verified chunk")
+            got: dict[str, torch.Tensor] = {}
+            result = pull(ident, client=cluster.client, on_destination=got.update,
+                          options=PullOptions.from_settings(MxSettings(ipc_dir="off"),
+                                                            relay_read=True,
+                                                            relay_chunk_bytes=2 << 20))
+        finally:
+            th.join(240)
+        assert not th.is_alive() and states == {"up": "SUCCEEDED"}, states
+        rec = cluster.client.get_transfer(result.transfer_id)
+        assert rec.relay_path == (f"t:{up.id}", f"s:{published['source_id']}")
+        assert rec.state == "SUCCEEDED"
+        ref = load_checkpoint(real_model_checkpoint())
+        assert got.keys() == ref.keys()
+        for name, t in ref.items():
+            assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+    finally:
+        agent.close()
+        client.close()
