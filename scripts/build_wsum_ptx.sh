@@ -42,7 +42,7 @@ nvcc_build=$("$NVCC" --version | tail -1 | sed 's/^Build //')
   echo '"""'
   echo
   echo "SOURCE_SHA256 = \"$sha\""
-  echo "ENTRY = \"wsum_i32\""
+  echo "ENTRY = \"wsum_i32_many\""
   echo "FATBIN_ARCHS = ($(IFS=,; echo "${ARCHS[*]}" | sed 's/,/, /g'))"
   echo 'FATBIN_XZ_B64 = ('
   xz -9 -c "$tmp/k.fatbin" | base64 -w 88 | sed 's/.*/    "&"/'

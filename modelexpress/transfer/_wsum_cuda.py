@@ -14,8 +14,9 @@ compute 7.5), :func:`load` raises and ``digest`` uses the Triton or torch form.
 The only module that calls the driver for digests. It uses ctypes on ``libcuda.so.1``
 (present wherever CUDA runs, unlike cuda-python) with the primary context of each
 device, the one PyTorch uses, so PyTorch's streams and memory work here unchanged.
-Each tensor is one launch; every block adds its partial (a, b) into the tensor's row
-of one zeroed int64 buffer with 64-bit atomics (exact modulo 2**64 in any order); a
+A batch is one launch over a table of the tensors (each gets blocks in proportion to
+its size, up to a full grid); every block adds its partial (a, b) into its tensor's row
+of one zeroed int64 buffer with 64-bit atomics (exact modulo 2**64 in any order); the
 batch ends with one device-to-host copy of that buffer.
 """
 
@@ -166,7 +167,7 @@ class _current:
 
 
 def wsum_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """``(a, b)`` (unsigned 64-bit) of each tensor's bytes.
+    """``(a, b)`` (unsigned 64-bit) of each tensor's bytes, in one launch.
 
     Args:
         raws: contiguous uint8 tensors on one CUDA device where :func:`load` succeeded,
@@ -178,32 +179,45 @@ def wsum_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
         current stream's work before the call is done first: it runs on that stream).
 
     Raises:
-        BackendError: a launch failed (names the device and the driver's error).
+        BackendError: the launch failed (names the device and the driver's error).
     """
     import numpy as np
     import torch
     if not raws:
         return []
-    device = raws[0].device.index if raws[0].device.index is not None \
-        else torch.cuda.current_device()
+    dev = raws[0].device
+    device = dev.index if dev.index is not None else torch.cuda.current_device()
     k = _kernels[device]
     lib = _driver()
-    out = torch.zeros((len(raws), 2), dtype=torch.int64, device=raws[0].device)
-    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-    args = (ctypes.c_uint64 * 5)()
-    params = (ctypes.c_void_p * 5)(*(ctypes.addressof(args) + 8 * i for i in range(5)))
-    base = out.data_ptr()
-    with _current(lib, k.ctx, device):
-        for i, raw in enumerate(raws):
-            n_words, n_tail = divmod(raw.numel(), 4)
-            if n_words == 0 and n_tail == 0:
-                continue
-            ptr = raw.data_ptr()
-            n_vec = n_words // 4 if ptr % 16 == 0 else 0
-            items = n_vec + (n_words - 4 * n_vec)
-            blocks = max(1, min(-(-items // (_THREADS * _UNROLL)), k.max_blocks))
-            args[0], args[1], args[2], args[3], args[4] = ptr, n_words, n_vec, n_tail, base + 16 * i
-            _check(lib, lib.cuLaunchKernel(k.func, blocks, 1, 1, _THREADS, 1, 1, 0, stream,
-                                           params, None), "cuLaunchKernel (wsum-i32-v1)", device)
+    n = len(raws)
+    ptr = np.fromiter((r.data_ptr() for r in raws), dtype=np.uint64, count=n)
+    nbytes = np.fromiter((r.numel() for r in raws), dtype=np.uint64, count=n)
+    # One launch for the batch: a table of (address, words, vectors, tail bytes) and
+    # each tensor's first block; the kernel finds its tensor by the block's index.
+    table = np.empty(5 * n + 1, dtype=np.uint64)
+    rows = table[:4 * n].reshape(n, 4)
+    rows[:, 0] = ptr
+    rows[:, 1] = nbytes // 4
+    rows[:, 2] = rows[:, 1] // 4
+    rows[ptr % 16 != 0, 2] = 0
+    rows[:, 3] = nbytes % 4
+    items = rows[:, 2] + (rows[:, 1] - 4 * rows[:, 2])
+    per = np.uint64(_THREADS * _UNROLL)
+    blocks = np.minimum((items + per - np.uint64(1)) // per, np.uint64(k.max_blocks))
+    blocks[blocks == 0] = 1
+    blocks[nbytes == 0] = 0
+    table[4 * n] = 0
+    np.cumsum(blocks, out=table[4 * n + 1:])
+    total = int(table[-1])
+    out = torch.zeros((n, 2), dtype=torch.int64, device=dev)
+    if total:
+        on_dev = torch.from_numpy(table.view(np.int64)).to(dev)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        args = (ctypes.c_uint64 * 3)(on_dev.data_ptr(), n, out.data_ptr())
+        params = (ctypes.c_void_p * 3)(*(ctypes.addressof(args) + 8 * i for i in range(3)))
+        with _current(lib, k.ctx, device):
+            _check(lib, lib.cuLaunchKernel(k.func, total, 1, 1, _THREADS, 1, 1, 0, stream,
+                                           params, None), "cuLaunchKernel (wsum-i32-v1)",
+                   device)
     pairs = out.cpu().numpy().view(np.uint64)
     return [(int(a), int(b)) for a, b in pairs]

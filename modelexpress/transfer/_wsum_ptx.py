@@ -6,182 +6,210 @@ FATBIN_XZ_B64, machine code for sm_75, sm_80, sm_90, sm_100, sm_120
 translate on any other GPU.
 """
 
-SOURCE_SHA256 = "92bf41093780ab8c5f1ef9ac9608214f0f8cd01dfe1cc703f457c7fce921945a"
-ENTRY = "wsum_i32"
+SOURCE_SHA256 = "b67a9f9b59afe23b508d11f005c09cb88876ceaa014b261ab74cf47c491d2f0d"
+ENTRY = "wsum_i32_many"
 FATBIN_ARCHS = (75, 80, 90, 100, 120)
 FATBIN_XZ_B64 = (
-    "/Td6WFoAAATm1rRGAgAhARwAAAAQz1jM4PXXLAddACg7RqtfID3nkp1FDTVysnMi78PKJ1jUOaoMs5DIXeqhooWv"
-    "zFdZxIvgZXZlVpMu+4J2LYtxZwBHgqQiNWccngmVnQdFGfSjSLa6U1gxj+97Z856GY9OG51l+diC1b9ErbH58XDG"
-    "x7A0agvOb9LxUa7hPcwtEhNVGCzbvyN5gTSmm3Qfko1gFTOVrcaUm3Dh50G3YQA6/mawkMh/WQbWdPFFv5M3vWcd"
-    "50zAAzgRlDgmF8CD+0vNCQP6E9Lg2MZ+h+NWpHin8b7ISm4gpEqgFceoZC2MDtHnJRYT5WGS19ECz8tT4JilGI63"
-    "lkCf3kqUzRxrs1sbwfHueuDGhebtZSovFVdbDAapCieWbGFL7WRk2kNFpW9xwVWfze+VopLsjT+H+DUlg7rXfFYf"
-    "DyVHEXT4uaxoAiHvGXQ0wWDbTnZiB0JVwTD/tWUiq6MbIKbNz5RpfH4903OHca/X4KeNDZ0c2OUjv2sxAamq15Ta"
-    "GFaHxkK7JBmZZE02ttieUANuTTtVhkaG2paFJ/2D4X7FKoAjxfbjtb1OchinWwXqODEBDiPB1AZhfH3nzAisGnQp"
-    "c8g/fQAinGuZRrs/jRQ1+C6aIfN8uv9gg/T6Myj9LfIR5oLqlKhrieCbcpuDwTgXQe4ySoJdCFQ7BerwgeXkWk26"
-    "T2oskatRDB4x6Ixqp9Ll+KefdnXzpEZZvgO8Ia2aJxEx0bIBWaELq+XxBZf6JbtBVOyCYo5C+f9YUhu8xs1eVm5a"
-    "b2HcSjwwQ3sw1p4Ux3zIxHPMlJgN6nbxW4Wcd9/S5TYlJSeiOTweD3yvJaRLJUvTz8gAIqbg/7PJAhDGID4A3I33"
-    "40MBAA25ITQWBXngb5FxtjCMQqKbypPIbrDLv8Nn67EID7L78iju9RfEh/GOJH9hfzsDYpLMr3kkbHjuHuC86p0g"
-    "U02JFWq0GS3Nc4cUn7sgzILxgT/CpOr2ATuuLreLk1PL4bkT23GcnGxdpOXLU1033Hs8UkPAoVseNy9hcGPOiI5E"
-    "wAgSL7NWv4yRhHZUzqcWhCkVYAd6hAVjbY8GwtqcSHg/BhSj0v4QzQL15wsFBLH5+swRnY8XgyZvd0a9Ft5UeRaS"
-    "EKu4fLp4HLMTcxoOOpyKbTcbgNOda2GNffzK21H2Ykm5vqagMwf02EO3PuXqNaqPE2vLAsRNuSh65LExx/rGbofv"
-    "XLXZJSdaufoF/MiGADlnk2zzJkcVY/MIsXyF2pGlmZZOIWed+ON7/ErT/mKN0Zy9cMBZ7Y+VfRcTzrXUv10b2nih"
-    "ATBD8dVkI2HrvIsCber/FBR1tNyzUUwJk/O2/z0ZKYbiNLr652SKkdGda9H8p6N6/EwJFBRKsnO+8r6JVzr+/ydB"
-    "ex+pIsd6Y2/MATwx+XKT3KVgNAgz245pizeyC839ZGbiWtIkcgxlx4iVzuMDC5hLSJjFVDE7wSYat4gtPyew1OWN"
-    "E2kbWEtp2veEYYjnl0CBf+DB1BOIoa9R5AnDu9zwmtVfXxQ2ecrqf046MojU0Jjvrd95tisw4zJt/EAb4HoMA2KB"
-    "cXlzTKhkSyAlwusSjM41zFoGPGyvcnGoc7dQ/EpY+N2NjmPXodd2ZDJt25X61NmPm3v586YhLiR+draTxBx+FYdq"
-    "9vQHs5Aii5ivq2apDosKBbbrpA8Y1jTlAdgWdPMyI/y0rrF3QJMhoxsOckwA+FWN5drBoyF91/qmwM4gU9/6dek3"
-    "n7xdnqRBxYrX1igG5lIQxSN7NMdec/P1tt1s63t9L4AsIJZRTr6GPFugdyAYhcwp1AW31eixGUcPPPf9m9FLGc1Z"
-    "yO4LYlhLqEUc1XXJfCWWa8LQTrcqiaEykJ3XXeQ+g0agSRze784vAvlZ8BYFoVjMJnmI1uhcnQrQiKi6PQmpxmYx"
-    "OJSTfU7xvorstcsCCPhR8PlYsq1oL9F1fEpNehQT4XvtRPyl9BS+gEga+MWrBRb4/fhSs3fi3EH+m9p87TtrIyEb"
-    "GsC8F1rzWr0rMSyHHM4pK23Oq5MD5L6BWkWIwGKl8seWPI8/Jbk2/ehXZeMitcnN63ZyfbPxHverLdH88TaKhE/6"
-    "uIK/d0oWj+sk/yTGj9Q+VAxvz+VBNg6iTIr6Sg/t6ovgBjsUPYrGxhjxToYCKe74fRLnr0gk8ZVi5Q7JY8AsK9vC"
-    "P20HLuWQXZOUggQGWg8JtM3vYirLCIOHzvuQbI1ZrpNI/wjQcaqERb+NJoGZsDpECpuUEq/8rNVvTczPZ/7x8w2Y"
-    "E4OQJoebxSF4so1rSoGIuWBfAi0zViWcIReUMI/lYbW7qRc2osgwJk+Z7wX54YlnUSe1W2Ba0ZsZuTx0OVuqxsMn"
-    "/4jWwAl2i+Wz6WBxyNGhXSVil0d8oI7XkiNL4+bwT88Y/R7bOh5a2uIocA1DbGWIMlP4zMnzNHj6bCJtRFRcUjO0"
-    "169u8YSFlV+03NVtLsVS93LM757YzlQVHbc3n7XVUbt/BCCIMCMPxeHY9hOhFBeIhX26SFMxIA7mIRtDE7NXcxxZ"
-    "4HfVmoDoJNebcFIOXCztkC4Qa0gz2HIeZib6HkP6hRsSuASvxXPYmCpnU+RjEKaIB//0i8TX71ly0wOHeezeSi+G"
-    "OiTwwGLKjnHXsZQ9SCc9pJmLB3YWW8dLs/D6daP1rfYrCB9vpU8rz0/ZiZvXK/SpNYA3XjikVs+05RCnoHU88tzn"
-    "1VRZu7SufQQE6me6wrnjEQUeqDLWb/v1hQ2IO2hB4RI/+wAF2z86uD2mOqNdb899CZk4XNqctgg+rQnQH2mZfLfs"
-    "HPiA9kw/ZnTTZW9/0gbHjJrG7mUykmKzbdR/YT4JO4K8ejUWLhcA/MW0RGoe/Zz/mrLgHcIQXfcoKQUim2Kcwh8W"
-    "DwfHjgMMXKXPF7kGpsSSRnwKAV5uGPrqriBWwcTduulWgJhbBymUm7S2fC0n+cJD9poweXxo+LYxFERnNDf4cETX"
-    "cZhdBf/Mdy5maLx4k+BDwtxCLum4EBhAWMN59nyhZN0wvi2SXMnkaXb1csv2FES7HFkG19mZWLvs9RZ9r0y+qRKo"
-    "BS/yUICFR7QTAjAIZMZTqKkWcMRQ+rDyFblu27n4VXnkY/7jyXNrvAcvzXcprtvccJ5dH8pVgiZEdCHumJ5fLKHG"
-    "m1TExyEyvweBPNrUjksvXS4OMqdcrBWBotu7x5wYASedosf1kXGlAixwEgVjmcgC5bCM42YJn575dm9kNXj8wK6O"
-    "F3TN9KJHSp00WtLljC46zmznN3aEW+a1X3V21dIqtv1ZIc6lmJ3Gsf+q644wbtG6t/OYomhJta2mALc2BXRBdX4v"
-    "/7TXOh4XYPHLhgLVS4xfEFDtAC3S7KnEZRCFVIYZgRuovmbJ/y2x4b4mkaEhM8lCrPF5pl+d4RIXE7YUcJgfAP/D"
-    "aZhSE8qZmwM2x0C++vdd1VWRjIpSAs3QnbLm3LcJCBiuiwx3iF5mh3Y+bBzCI0BBdJ5fOjJLMoL0k1ERwwSvq6A1"
-    "Wbd8t21u4vhOLTdZu/OKV/ssaMLZg2vdIrZes1LzCZXXqJbE1zLiZuNpVIDJaD3eSyw1ECwyNRUQMO6EAZtnUVj3"
-    "oqtQsWmr/vsnKKynvR/wRwQyrCrD2IeEYlMV2wkzqASv2/+tY7Ja7Ok/ZKjKqXQhIeKX6eBdgjHIwlYVOoN7iL/x"
-    "qTCds83zys17qeWAfPcrfkXyxQ5R6VpOIp4Mz0cOHR20yZdyRhijLTR7YDz+gqu/5LWGSG4/vhS2le3JBuHjlG9p"
-    "Xz6YpBtInby5EhRX3BlcsTA6qHtu5DLhH1ROqgClVV541P1WuJ/AQSkpru10eTP1DdXAXbAH+OvS3K8VmBJWnTd/"
-    "Ff9yOBxKg05pSaufb6PcS+vRS8CqzOftv/fbJFuw2qXHlZV0Cpr8uZTeZRcdtvyJoP58COYTdy1kGeKZ5HiArNYf"
-    "7MbjcVCnpTOjkAu9vzARd54akkwPZ6AmlCLcwnuX0JFf8nOqNWLoPHdratZNO6E2BqUu/TWJ0fnGXyJ978DfcbsA"
-    "zfcPKtbPQHfpz8RS9X+yDNa6KANf2HjOCzyHj7gpekLygk+UKN08JjzJi1RXWshHNjJwrPVdDE/s8U7eauWrEFEh"
-    "kQ2CTmceCmKLcjuykZaKL2J4QSZW/b0oCf7PZVcf+2G/VRbMLizxSCcGK4X1WBLby/NP6rcn5wo+FdEKwgFw2HTb"
-    "/C+8sYjUYSOzi/34AkxAzcUA/r2rCyEpK5tC+yDlelxgfbuFaTsR2395pp+IcL5wb/cdA6ALT05q3PNyKSVkoJTT"
-    "1WNkhYJYDouulBT+ZfSRkrXhcBMa2GA00BO207xD+wUVN5MZt1Qd60vwM6tEC+Mw7LJFl8UurS9m4FvOsoTHlMf/"
-    "wSCf4UHOysvsPH6ulHlgWc2fuNzNruRiQhYJeMSMRNU7JRNkt7weMmGxN8k9Ps2tmLDceHMSIf4eZS4E4ooG6F6q"
-    "NqmykDAuaEbfNn2H0Rt06nNCuIo3BzY2GCMvAxnb7gbuLAAL8T5dlksAe3QW50Ku5GuhVCGfKWoX8G2ZcjzetcaB"
-    "+dZlupJBzSHWVn9/TQArgLNy5r3N7Nx4eF76JcgfoyFyW0iLTr0WgPLqbaOLE8haZOe74pocbFyqgNpvj1CqoPXv"
-    "YVBnq8frEE4We0wwoTh6uqcwZXQgU7nsffKWUW9I6Vk4bIiFgrxftpPXJ0gZQZ8mg5XwHvIYtF3nIsM3lNqt9/lc"
-    "lTpfAgDsZSFSjmV4eMITROgNMeqTUJgL7tg29p26ZoWUNOZ3XMoUvq4jtCP8vrNvQbi/Z0rGPFD8Z5bITARYeZlT"
-    "qMJP6yM7zRSSqz/Hg7nS/8w3j81q3hBbZrWUjwKA1MyKw5ijX/yx2OTOw0WDBlqFmWYmIqUdYkJS0splMITmubCA"
-    "R8/di+25IXH4w5HvdWgpOJEoYCzcs2HAX8YhWPDtahRzn6UczH5oLhAWJDcG341XZr/Wt1QgmPVd/v5FdkmYB6aR"
-    "Ia33DmSSRZVGiMo9STJDNc8RjHDFk3HqeEmmwGbts3kXxDlNgkcnaNBCEp8TxNaDa93SMcMSSSES758Wzdwu1ZPF"
-    "mNSBVGI9i54HHphUj6A22el0fF5KcWcth8MVaIUmr3Oh3dYZYVQ1pUBFtEi6YrJ9uFY/IrlOIeijv+W711obyLsK"
-    "yIy4rIXyLjIkDayIW9bpbscLHhlidR8+Z4rNo+M5Ao4wtOroD6ajrRKnSTV2yIkzbYyyrf1Ku/bs+mwOWOSliA/O"
-    "gcwmiDhm/ABdenMGwdq/pIYvn3A4lF7vfztewKOA0G9diKLa08p06P59PUrK6OThLCNdYtOcC8b02O+5DF5moE8+"
-    "ffwuc+i5P/5gbdN86k9KxJMBA9YKHtx4LAmqBpXhJPDT9w9Vf+8rY0x95IcnbI02liiuK4bmVXU0BKgq8rseuS54"
-    "9azmf+5cfFixG8fOC5bn8XK5Cq0DF3N5fBfiloI22f0feu9zyUYfqjCRhhWUDPfUh9FPOtA8vGuCHRJOIxk1MOe0"
-    "jsOjgyERJzLfhre/a0mlCLYnol+C413pR4wNEvXLYKSRmwiUwOfuBhFswsDI2DVwUFkbPoAI6KoGAZiICHo/nzhk"
-    "yTFnYrAPaPEh2eIx5139uIOLrPGOqK9B6XbgnJy5duwNvBtOfXeKPjiFvnPLtMV9AR4XUCc6VE5ptE7eRvFzkOer"
-    "w+kL6v6Z2a/5x9u6B5hh+UmkyctGQUEIp67LA23YFS7YhTnKHk+mLtLqIaeUcU/+uKaCAbePwUjea1Sr0Z/cxeTH"
-    "iaTig86k/UywASDd8MSpKRo9EKUXDL6f94793ggapX+RbGbr133dMu6wgFuIE+5CufIgfhHThiCK7NvDWAEmqaGQ"
-    "lAMRj9IcmKfoI89YTmuUpOHI0ufGXr7+1xOwiRp5sjq3awc1IeiEIcmhBMdySQmKWXnzRhX9jOAANNeHM7gnHVHC"
-    "1jFGB2QF3YxVIdgYlOcy2hpYd99cmJ2Om0pQAu3xJoqR9E8msomAjzBRKBPDmf833e1Fz8jfxb6wuH8sN/0H4dm2"
-    "vfD9m764cGvouTpWhQD79nmsJoB55vxny0AR1mwu2u9jo0+a+box9qfUNI01XyyP6ioDt6GHvaXzpnY2HxV9oLH0"
-    "VVwK1o07Q+BSRZslvnOsvoHtdtVNn1NXWhsxFTzD3hoPKu3y2Mwhx0wdPZLMhHDsr2wZo/CGMeJ7KHZLToZzVM66"
-    "ih4JAD4/jSdXE5qxo4zyvKeuWgidVMJppFnnFDRvNqjzfXRPt0h5w8E3e4TDk+aTgFs6umFf29sq9iS4R9JuddHj"
-    "mINrtpyiO7iGgGhRfbu5KDD3AO0fIolGE5QpWLQ64va4QvHAawUESnmGOVHfAJYq6THPXk4wpgrw40EysYmoMjba"
-    "ZQtrOGUcTzAH1zfIlBKAm8T8yeHvXsfE5GJCC6D8v959d2/XjCraDMITRZAOgYMj9+BshdScYW/b0U6xQG44izXK"
-    "WiYWbH12r8Wik4T6bBHd4g8yp97ZfyEDHVGYuglL5fPG/L82yP4eo1wj3t7qz/4Dio62Fw3jK+S2Far0Cq/zdmEf"
-    "p7PW3JMkqPUeKTWcggVDJSO84SVzg1C5HyfdAgAEYqIv0KkKxZrm9OZ0K4ihzaTZQgguFrp1zLlvfWuNNAfXD6nh"
-    "emPNQY50nFNAzAhh7C8zvxLPLCa8/gFWEznymb7YHaZGswewMmG7H+8kM5iX2rQyUW3SFN+AYeLTN6jUePHq6+CZ"
-    "o1ZBOYK0byojhctZN2E2YDrH7JowBuFfS4NburokiqDUgkuXd2thP+2UW5kriLfQbJjPkZCTShtduAJvF76W6/q7"
-    "bzQkULnb/MbYqOe3G1XgVuvfZUy+Ubi8HlW1cggFlaGDxfFo2pCkxO9kbkQxrIIXJRXR5RI0jHJ9IQ2kjkBMWs6T"
-    "JEHbiRd6lYM3idVxwwrgdMyfyQNQF1HQW9BiaMiJlgwZmQsbs24sdlxNKTuH1QujwJ8Mu/qXvCeRfaBFny3KOHhu"
-    "NnZ6IWCrRpiHyqWJWeVdWw4743chKRwrF2k6Ccx8p2AjAy3j3aBx/zPKfAqadD5PpYLiekU5QbxM9skD50B/GZLW"
-    "QBYxRINuSoqInm7Nf3waCjzn7zfJ703hQGX3KWB64Uhj+eObG6H+oTTI1n/ERZjOeh8G5Fx9Kkvb49e2g9Y6rnbr"
-    "dJCIKNcpGeD3daZwCGGOStVqIc8KqOzfErSyWQ9piDDN7rqNLs/lBjvTQaBQo3iLPuYAbpFsRI3chPXrpVanKTjl"
-    "Yee4aP0QG7IIgXgEuMJKetarntPBRaSdRE7CcghepQyOXeKmHEDMGYBPw2EJrTBhmoYb7UrgrxH7p3LM4iicDD//"
-    "w0qfaofmviu4WYyXbRQkgMgc2PFYxdtl7mF/aMbRjWMQcrzB5pdURE2ion0hRAeS4fLIHyfYroXuao0IGrxN3ViH"
-    "7M/TiJvm1Ydnu12lIZbf2TWvXP2maBmewfrnT4dLd2iDreX0LSvKBv5gTmtR4SaGBX6CIJNO6A74djjoyXtFWOCu"
-    "Z8dDFgHxMWb8VI+X24xa2365WLRYcQ3n6Xm41Bl4hreFRhGr5sXHtG1FIOh+agt7s9+tUjAqZnLV1wQR8wkN7uFO"
-    "YqrqDixXU8YpfWwG4j9jesC5sKbIayMj0hp9VdxkWQBHHUbFC0nd2PJbLsz6w/tK24IR0R36WP+2ePoW1/YLQnLr"
-    "bYElUmVMAgdBpF3BGD2I/gcUJSI8RrJhVV0XNytnqN2YXWmx9H0CZF5fv5s1HcZyuPjkdhkC5XN/Pev4rkZKSR99"
-    "hsDLJ0OkuQS3JW5WSgma0GQOPirqTtyAluV06fCMCF9eykYHwgHhJ+kWWWArFna9MHnMzBWqP6Acb4ybU8hZzKEf"
-    "8fUkNyGzXGXD2TB7bIjEchqdRmzaLLMctijuPab8d48aRRaPhgYFFpJOHD4bCr2AjBNBypuPntKwvr3H9zZZPEP/"
-    "ksC6K5jyaW+PCT0CDIDrv95E8OKUOdS8M+VlZcKvLsTnR+s8dEZFuDwC+WIX3Gnqm66ACigta9qFhNKMscx8QlIi"
-    "EaRwDlExQba0sLNMgFMid5nGwj1bxtvCNexgbDwnC/AMYDuU+M8lJCGuk8s2RcgdZFOjHchecaFv8bvDsFbLjptx"
-    "450N8/uP4CL5Va2SmnUj7i4g3/esIxepmmplEH1y96jUKE3xoBIw1L99ePtzS/jkSZZOYqi8l2qFDpvyI6GNPEXE"
-    "wbaHPp0dzfjoh9iTo9ttBkkniYV1A7AfaffKjclOQLzx8DKWF5LK6vtSfoJSah/9lKSWXW2EtmRqD5wvYbfkmwLK"
-    "RPZ0jgA0NShFCnRBCQjK7T0198ZvbEVOg5DBNmErzAL7j8SlDY8n7KLNp99EeNJQNBBukXfS980N0MSQ2EmnDjof"
-    "R//YgQ5aywJTPdfHrk5aW83+m7ESWMFFiNQjJywfBC2J48BLyuVpm2lcsSIsbACeCDyYEFe2Dk5pwX3ExwoBWGIp"
-    "D9Bfsje1pFAMiKTyG6ka7ABIv9D10/G9zQadfPoJv31y30XCNyuk2nfiC/brpJCbLuJs4UNU90zppjjo2EbeFpAn"
-    "ImhtUFRWhGG57Hnijw/kWzufOhGHp3aybXKbOHWhq8ooRdIS0bbza9E8EgLSspiZF+l9bpAlvVjyoDFtUk4ZbKwH"
-    "cUXgcb02huaHVawNNiTDxshFS16TNnDRZrOk9OfF36bXvo5WwovoUF3bBMGBi78NfEiHX6SntR8WR127/hJe9B2j"
-    "h8ZUhbLmLhrKN+9QWG8X9K2HdopFOi4JnDsZE0JMjBRwIuM0JVjssAJYSg0vFlgue//pmXcUm2L0UVsQwosNjrs5"
-    "HnXN8rHvLOv3CtUOZRti5selqpP6Vs43footJcXGsNy/Qu3lnO3MCbMgae2yIBnLvcz5qXxzVZfWRTYCI+/Jk0oj"
-    "uY/UcPeBLCoZOKMxevUmliDi6TFmtfvhsHZpk40WUhXLpiWqIh+XVUGZJ+9NSAXbU3F082TZggheT7hFhK06LueD"
-    "MXQd6+mOB7pgaBHL829G/84k5P96S+UtLwtQjra+Yewdkl0duQJnL48/RpQJfu0TZFzOTvTk9wQhCmZ+DFEGoRDr"
-    "mvNJqsSluRlbLEIKzBL4lW4Uuwuq8kQISRASu0B15imeLcuzMkV2VzypGpKfUEfiUCNLsRerN2Zsg/Y4X++v9e94"
-    "TjB2OxdbNqoowNAdt6ulRQ4numejP0Ghpxc8UhG9SmKJnIhDFUydxBL5xgscp/h29Znq6AczhOXLs/ytY7G1Styl"
-    "3BRwo3gtL0I1bsZd8No9qQYw9R+8qCoOVWXuBKMtdsDpT0ED1UbEuh2nHO/8cGeg4fQOVr8v1H6a9NSTRZ4gkvgh"
-    "P4N94gaWgoAAssp4oDwk/wkZhUJT/5+Hb6JNr3mnDsAUFZrW4DocQ5EV+vdQa4t73SUg5C6/SV9mKqboiqvjYGJf"
-    "ERvp2NOwRMINLjKunLCowRiZiiCRGrfHpQtwsSOCHNjj64xEpx2AE3Y+1LMY/4nkuYKnAk3AJXdFOXqV67fLeaQE"
-    "3F9f5GYx9sHuu5ggScBt2FX+/PAqfckehmjeXo0hRT6dxAlYj5bIsoLYbJD5iA2S6l/ibyyatbIJV/1OComxHo3j"
-    "dTS7bRrtujp7/+EmNXEuoyFD+A+VZWnJjTB4wX5kA/+G+xItisN+DSL8/ncslWIdXXMJJa4VvvdaHGtzG29hDjb/"
-    "GIpL7mVXEmyVtBkP5O8NzRTeWbuSLOqmlMkJAXsqLgbwQQqT1vKWpJe2TFBXdxTHfOExQmt1CoLZm8upmvT7sYKs"
-    "2g9ir6tuzPHISiDzRQMiCMcZsi2154+sd65jpUwRKUJB+l52TpxULvJ+RKm+0Rtpm5NT8qmn6fVqKGGfqqBNrxsh"
-    "I2Wz8frRt5P5vuiyzggazqxwHhGTHreghQG9u9fbmGnj3p0swEcJ5xZ0bPhlJHQ0bpwv7voihWtKZcovPLckXvd5"
-    "zWI8yGcOeMtE7IAv7vHlcMyV93ihM7XYQpQ9awUj/PGFRTkYdKHTop7cPNAaHA9sbhv5WD2EP5lGtl/IjTp88W/F"
-    "sDVxAZvJKkboBFZSYD9FiMQvGNnFunKyZTys4MatkWkFGHjNi6ppHGA+PJ1YiCDJGhDdI0xLFhjhW2aP/bNpCnmP"
-    "sYnxqj0tAfvG78xS6/3D3jMjEsglYY+jx/zIS4byAsmTVBDRZSzCw57paHMphK4+47MVbN4KQU6uks8aeZI7Ck4Q"
-    "P+Vufz7LExh27tk0Q+8nMCdgWb+e9O6FVxIj0UcN6BeXldNNvunLe24VRQTqI1j/OumthOTENvxt/k9Y30e4meKE"
-    "fzpfXDXD3RMFfBd9zIBfQCQ/3aiwo17EVk8DTGKnn2e0GxsjoLUhrPFuY+IhqWrsRGuvAWVxNgF2Cx8hIYuGkswB"
-    "ieXiUDyT36d1NUZkkLF3MKDu+s+8CEwd5pxDFH6s72rfwze9bLKlrgWKwMNdk39SehyW+ZcgHxT3Xu/CWhhQ9ZhQ"
-    "QFngFZEQYgPPeSFK+MiafD0CdKOcIVZ1z1B/6dTrawtzkSm0npy6glPM3ObUI/V+MUl4Ze/xTJP5gpVsDH9rKMbE"
-    "LgBHm6J3dsWKg06MScCKhje8y+m+Vo/s/7mPhnrJWQV/y8jq0s1WzMPty8uzVLME3TME0M9sx3bNpgH2wAmTAaGc"
-    "4KWC1ai9AtZlMsW7g/fInyB+pCwNqsiT/Ri0q/E3YwY4bsOFjE8Ls0NZdNWE8w6zh4ZuFLhdjgBQ10ub9BSmiznb"
-    "5TZmlVJu3EnUmmu00q9nHXlaVJ1BomXggwIG7xsn2EJvOqVU/W8drQtVoehnXqu/vkHGvp05TMRtLaiHUI9fxJie"
-    "aP95KT9QEbFt1w/5oyyqZFCukkNa8kMBVVCEwiKTKKDxP8orMJZhexlp0X34uIMzqG6wY+/TiuBkyIAf9xVGkmnV"
-    "7SKsXH67i137ZQksCcSN55uedh4jvsZiZRDEoXSV0Dk9JUY6vX/7An2ZXZ1HIL+IbOefsolKpFluOdDuHLXeGdGh"
-    "X0Vh0EuZrrVLokuSBPLNdk/ypq8lPIEQAjfMvUodbTNzQ+3Kfe3pDCU3sp7jEIjczZedWqEW2j7o+qYYYBK8n7Dd"
-    "CSKhOgMf8GYgotyDxbORyhE+ZQ4990/sJT0T7tBVvrkPMOGeex197x8PTVgx0GeFr9G4/cJgiDddTKWRUMv7H0Og"
-    "fMWQYFSEnnVWdLLK4Nuh1s5KnzD8ZcGVU7/bnzOwDq18eJrXYKFkMYtmpfoW2njrgrmDNGOj6nSsp/j601WhRydY"
-    "ApZ4q8ICuPCnm/c9tI9t32Z5Kyn4FpK0y9cOQEoAEX+U0XGvbNu8dbkTNP1vDO1R7He7ePYWJpbQlM8g4woiyF63"
-    "bRB+QGhh7doKbFDccT4/5iSo0fO25VAc5gcfC2msouzATj3lq+K6VNHTGMRvj0nCmRtixecgcqlOsGclwCKO/nhO"
-    "xNcNq0SakztfG6aZBj2Nx2GqS5OJsnYhzWfgWyyiS8BWwv0vGQRFjY0nLvUAJl1fX8V3p9zoQonQN2Bn1W6OlKGU"
-    "iwfETdTixUeYrNIb5fVeQcHiTQchVH1Gj5h8rX1Gy2SjNnqN3hSsAnEHgPKDHu730LyQo1uUUV0/3CfLvCniKSIb"
-    "vVr4c6rEfrLDol0zogqwXRieYUY4LfnV5Ua2L9RUqLxzxaHCCzLC8/b7KQmFjmC4cgBYW4OQ32tLk/fE0un4NHtw"
-    "HXyj0N3LwhEZ2c1MhZxTtL5uahDC6TfNIewWya75jIG0ICsi4sdxlf+CCoNy+KEByvUULnQ6qY9ILjO5wx15+9g5"
-    "D3UDmHFYgF4cz/a2iZivQC9ATWSE3lGeO4Q4BJvHuu/rC7mrjfgptAthHmqVofzE0oycaMRvt+RhpEYACumcm8Cc"
-    "1NreccbZbPhDKuidLrxxYdjHQY8/WelFpxdNgEoQmvUgs7R23LvtVkaDoEX5VXfT8isnEzgCKTHjCq2N0eGmeLUF"
-    "fy9Mqb0q2H46AQFW5ajbQUHNFVWuhbbkyuz+eOiMJZlhBjs7M535JK+Sp6kFFhEDcnq+szypECnFtknqFBQcgiZa"
-    "AcGcWVrWsIPoq5UEzqy0Z5sDpmIHYMF/t7UpOKZuEEItUE5w2zBq29TOSx3eQOAgDAR6JdjNgPfZP0JKQJFPODRA"
-    "g2H8yyh54ERjWHjrKJaP8JHsr3wpWweKJWgVSEsn5sQArqIle5X5NdO811dDRX/O3+UaIDte0WW8Fs/bqi8Bnqme"
-    "YxzI8DE04BZdIbIHRRFsuaoiuRo2Tklq5TWUwy3jpw5Mv1CPPJOxw+vYSWvyC07TIoSZ1xny4yx5wzQhqoyLs1db"
-    "TI+Kmn2EEaHFvMfRxkdH8X615NfK/c3VZJ2BcX1C2PemFZa6AZMcn4YXpeDJBXQoj6abTEuIPE4ssbpPhlGZvCPK"
-    "9a3HjznHeJBvM1EBdj0P9U3NRee5mdlb4XXccWX7Jl0TpizVKeqKWGLROfGXJIJGqrrBoM2rmcUJwXwgSTT4tagN"
-    "OIg7568M5b6MLDmwSyDQAubD8h3/I7JfoMsJgwZVqBtP9josZ6emgBlBW9j+KVqmq0D30Mm2Yzl4/hHu5JxhG3RP"
-    "jKg3dwKhvSjoTWcS4EjwufF/Mf91WsgUwJNEjaEPUUrUtgiYiJG5grOdH+Q8wxb3mVJNH4/lxTgOjkMmB4OkwJgT"
-    "+CtvUyHCnJUkfKv5E2WwdiU5lMaCsVUnuSNeL2Oh1jlY4KwLmXw4ATymsPv70Q+Wf8Oq2e1BDGSYV6mt0L/jCfT6"
-    "X3VAwZfSxpli9PTocOgcw2XWfksBdkMMgW32t54m1WU5EC+hKsiC2oV/z9/U8QOnpWxPJcC9vQPUpbEms9ynquoO"
-    "3hlyubvM/+C3KIVIjsjNfSEAySsTLU/Cg61Gcc5oOEC6VOx6N+BHKOl2G7D10/noEuCjQY1aL9Q0m2HOCAXBKRQb"
-    "+DTvdqMUUyuFTjeZj7LThbMNG4IOT3NI0f7wdbIFWz8ZnQ4hMCrrknfoY/n2r9xKePaHC/jZdVlxgum6c2Z9ul+I"
-    "ch357zzoJFnWzsM3V/wX8mZDgkLidDxyUlOavM37XwSbMt8okZ2pDV5QQqq43v7z9BajFsZe4YGJd+s9F/hpprXq"
-    "sPR3kwCTgWA6Sq8dDy8hCdmsmlY15UH2xsdavIwaoTQvgmwn46SLbKYSTDxEju/wsyUJO7hCbn58oovpgWSlUmLI"
-    "N6HUIlmqHC/XCrooOOQtQo8oUQv6nW6JbVHTclFYR90Gia3VvUyENPd9pErbrNwufIFEHKJOZ53ot7IaDkeC83tH"
-    "G5Kl5dU/ON6reVscGX8ZMpCjCukoq1qNemdRvbwnxz5HUurAGrMSwSQ6min/uNnoQhc+fLR9fUhgAQCkbaSEf/Yr"
-    "ff2Ax4Qtit0o41xyJvmtskZy6WAqsMbGzojrTxrilhNT1Ag5ny+QgljEul/1FwO0xkCt9De4vkRwNwivjGsTlJ8z"
-    "5/L6KQNSAwlN/OGVgjpHVZiE+JKl6bm3rY6FUCSDAkT1r7xxAIJTAw02t385HgLuUHYbforE3ZbBYBNjTfpyL3g3"
-    "+wJBStoI4Mw0R+dk04AugKbugCVjgO7+jRrPELB+QcdGPf/dN3xHO7tvhoMz/+Wd+9ci4G+ZBwO/Fvr7gG0lZixG"
-    "OaLp9cvK1ORS1sJAbAR5CqsY92S8ZQw8YgWeAorTpCWRGn+UYBaS/gX429qw3Iuwr8Lb00eATcLM8s3YWjaEOVBQ"
-    "7BcOsHSVNRGRS6s79W93G5ZSeHFt+W2F+4Xmmbun2Ar0mGXdHv+1cKYMj23YtdfVbYB83h8UktSla76P+HaOUJlO"
-    "ZjwfrCMi9FyvOvlMFKjC3KAKpBxADv+i4IZqwQ5tpqeoxJXc9J1rCGLn5s7TDH5YKoQzM+mtAcWgJKQTtOj6U9vS"
-    "darLM7iVKQm6bRLnLeUUwJvzPDKHQ5oXFx7ODiqCaUYg30fjczoBceE64EEBow/BNv6eSO5ZVR0VOlxX+UsGcHHF"
-    "jGsjtSZRhcMCP1G4I79SlXTDsMTjWb5CLgwQc+1JEK0m3C7WJT5zF9ec54qtuGAmedXISiY1xeUCSkLPnyufPRQ/"
-    "5KH+qc27HBAl1fDnDm8JOzY3okHN+KCpt7gVr9PkGJ/BomOvcwflt4OPR26Q9AO9uLftDmOv3bJmUMV8hoWr9/RZ"
-    "52Kz74oA/QBngLtdv4rKT9fPAkb8T+JqaVkkAExh96Abda355Bhn9WfRg6sr2k52As1UGb8y3MBX3YeJ94Umq/s6"
-    "rEGMP7RorcO3cOSRAXH+hCz754DuwFTJRcLj3CE494MFNhU722ao4sPrTbFeSTcHfwlnJdOtdrtx6QiUSRY9pygm"
-    "tJxqrNnuzdA1FukptiJYF/AT6GpP/hOjRxA3Fk2Jtk0EcScq1bk3FVak2De4nrxYbztr976BAPPoPzpmjqAmcpEQ"
-    "vktQKc2i6sXEowdH1c+tejZ6NsgaoxwXdldzhnDEewfj/OHVlpquAzpFWDkwH1t+i6eCFJlbQJ8zKyrdU61BmFZt"
-    "3aMChZjv4YYkk5rNE8L23S7+tWksdk2bz3hY2pd4E2h1OVEG55ihEGehoxaUMtzTMonVWUrFTcbNMOxzGf74hxMy"
-    "6oFCobqdWAMQojjKYSZPm8SkhqWuywOvCI484B7wsdryWFNRvMp+1Oje6jWy3nDpKmpvBdz/t8s0v58+zj8UJPMw"
-    "R8nM0n1f6XcRsffRV0/Icg5wWeiNHhwDGv9XXyyN5T6Ybnj4rHZCb/34Gw5mdKco6rHDzivYWrImr8Qx5pgqciMi"
-    "Qmx2a51nnJvLuY7C77Q17RNTQ0JjijVjKl9CuuA+F5JRbmda4RjBXD3/FbdJ43nwmn00Ql4/oXbikKc6dceBr2Qb"
-    "4XFTrVg7P2J+l+poC4lxXk1tDP5/0HYy58zqSKr7X2k6mxnKhayzh14JsgrtRwlY+3fiuJ39jJlgIr8GxaAbFkwC"
-    "k5+y94mMTHzDhDEl7h4BmAAAg/JaKQwkDYsAAaNY2OsDAGPOxDmxxGf7AgAAAAAEWVo="
+    "/Td6WFoAAATm1rRGAgAhARwAAAAQz1jM4Rf/M01dACg7RqtfID3nkrskpGRXaOHyFKgrFmocU+1CgNsWcTZR3bQp"
+    "nK+MqMpyrLW6a5qrN3y+qQ+GvNQRK8vVLCbIxpk7vgsCefFBsA3k8hr/fGtx34on/nzXAMR4q5VJ7Xeg4t0wLwGe"
+    "U/TRu4YV4QKpunTinjhAml+c4samA0DByVRChRzLdZy6zjo/thVwh4yi4fZwseZ6dzcQJ4vSHNFlwwqSdCJK2o/z"
+    "QaO7I6br2m9RxWxQN6Vw5QMqmu3PzAO2f4bTk77pyGUX87N6BFMyfUjsP39so2WLEuQqiG6iPHZ91tAkvO1M0HUj"
+    "4Y/Iqv0PY1dHKm1uBaCxJwNAZTrVuJWh2ZUXvyRA0+UgLCH7lkVx4fllPEk+RrFKBzoVqYPdzHnshkeiqc16JohX"
+    "rP4eWf710Igr8Yg6/KQUfafAxtpj4OviCkS7OvGBhz5mP3wDu+bPxtfyrfS8S4vEYPM7g8TP+OxeiB9Z3K3BAeYD"
+    "SOKeXLYAplHcimJFQN8Nh5qk2umcKq0hWW9c/67rBxgM/JyFJj5eXasPnceKtHQ7tEybJUN8voeJtzboDClrd79S"
+    "cG5Z68xAGkJDyIjoAlfTrqiwQC9ucTe9foo/QI1Hnbjpn7xNfsquHqPt46xARdiqGBvd/5Lsuoxc4958I/8tplql"
+    "Tdl2DVr8A+CQCFan9Fpx47n9HHQtn011KNVfEnEKBAKRAztRKS9jTkgoj6VHI+/wkoK93lQ7WXtXtRhv07Ed2Wfc"
+    "R1Kh5C+8GexI1nGurn84/KwSfpVDTdV3MinFHspECKu9TqCoh5HEmTs8uTgZcB1tdGb4YtKeGuGilGK8DBiCY/Ad"
+    "pmHzISQfG87t8Q8VQgqAxCp5VEUsSc4FRXpdZ48IdLTegYaBf2hYPqAC0CCx/izmH6uNNiPZ+5YRe2mx4Keq3/8m"
+    "3LXGN2mdYZClUy5m+No3l/j6AeA8ULJ2/Tl5Nr7UzztjeQaYxEn3G2/LojOVnBiB8DVNqMGzY/Zf1vsdtEzg3jxI"
+    "w3W+cJvC8vaZOQdh6FyAc879duJzTrd5JNWNMClDjPSMfpbWe+BMD3tr0lrAv4WtWGww1Hu27Anw8XL2wLaFbKRB"
+    "+Ueh7COQGK/8j1QMZ+JfUvfMMoGcEtfoZJZm4nncb6arZk0Pn3MlrYeTA/Dd0NWcTci1Fx9vZgPeZIxImJYWx7uw"
+    "yQGOdZ5W5RWFGSIpF2FEgUH0m+6G9OX1Ju4dJqgeMsMyXWnCmQ/q3zOJkkEBEyDqtSKYtkIrwqkYkjsSBHna3PXJ"
+    "9imJgau3JVGB7nRovldIKZmRQ+aAh6gCAYeh/t3mAcdJitqwgYYCglmzzz8Ij+2GU93+xAML6byRmvZllFvO2DQy"
+    "ON5rVHT2CbjGnUh85X5ogX25Div0dBBWonETEb3dz99JcsPqjq3aXwuetQuFtuhWpjIqBZ2KZ14CmOkMHJyrQ1uh"
+    "AGwIVDMVoxS0s/v/poXBkw936NR5sO1xl5XQWpn4OMRJR8hjvdr7GbIuf0CI2SjB9CXYF+J2qbETGkuc1rkYIKwU"
+    "SYCocq5EueLmH4oglvdk2tvT+fVR3u1I0LuPEJmGMPgLAy+O1TwTBxUAFaTfOg9fqUgNTLarL3HctP8M1PVFE5CG"
+    "IMWhAZvfUoDjBtb4DRt9R0KKy5xx3xQJL4ZsvOXHPdNAP8xAFEo/wnzlohMyt9C3Y506pcaqJugQ4Q/oC+KtSbAc"
+    "bfr5FTwAFpgsndcUnC1sq6nL80cH+Yz9QodqwYHv0UUurN6srLPqmAXxiL8aGaa4jN86hdNOrXyr5TS8AeEMf1g0"
+    "noeUG3ZdZr8NGxd6hXbGn+Tc8s1LNJkM2HrZkMZgqc3nOBMZjJzYhpXWk6aLORRtt6SFvC5SO/z8bUphcPEJryY+"
+    "agpFW9xLqUkHi9u/OYc4RWhQY3KYbKQbXZD2Rt1nVCbmE/yQh7J5yt0v06A255qE+UZYJ6qzumCeCjOkQhn4ltBo"
+    "/KRvxCvOPpMHa35iUVNheIMaC3Oi2Xqc5pAlsrSRNFszMMPoLB4NRsg7XAnYrF5CN2f4LZEGSO0ljqMwjjLGr7Mn"
+    "fEzfHCU67Bn8y+Y+GQxv9uNJjtMgd0tgBZgHYtBg9JRB62Omoxjc4FDCWOiuzm70YjMv/LYqBympzXiljQldTgM6"
+    "duDPK8RHyWk3T5m4h6a2+V5h15gMSMgm/Vi4Xn3zVxjneYrc21kCcbY9vE0oynwnVFpLSkFFb0jlBrrbiT3K01ML"
+    "w8MrY24kYqDFRQAkZDQCsMmJRAsDGGpagZxONODo8r9y8IECCVKTFvqhapsMs7G2YqkkGOLnbb6lZLdLXz2+NW+D"
+    "6dcqkLUjKDgFSFEaezsg5RbOHB11bMF6QZDBgpfMFrQYtNitjDeiPvtMcn2x+Pqxr4ikU1IPgepCrNaR+ywXfeGz"
+    "ykoSy/pieiX8eCoB+Z2SFa/Rd3IStXWLdluoBQR5GzK2jl1iBcVPNboVlYldWUJm6UafNu6VbZwPDRiO25Y3NZLv"
+    "t8AaZUX2jDRAbwFOB77//L7e8e7npiuULSO2dBuLXqQ1vOtkdcRDdOanzZ4wx6FUooVEzVkEJWhMilc8ndK06K5p"
+    "q7OyQbp+6hX1/cXoDsDhXNZ9ldUjZGMjTBKrxxrlNUZG+6O5FNARXKCAyiyExeJyP7Opo5Fgltf8tylFbwtWIyJN"
+    "SghKShxYUmAhuduU3dbprxdsrQxWmQDWMuPE72WOoFg+5ypmLyw7NhVfvjSVUs2AsNMaAozM9FSKgnz2fXuBKPsR"
+    "0CZtUWJW3XjtzEPv3Ku0q7Jsd2tf5ELxk3wwS/5X00n1nZ0YxgQiYgsSy6KcKKGG3Yd8jELDq7Vx2nhzqPr724RA"
+    "hC8HWCZRGLgwV/8Z2nfejMFcFvZj96tWdIxTfb5/MU8P2YTpMWHtdt0XDxR3/oeZJ3gUHyFNODSbY2YlY/19oZoT"
+    "JWC2GOI30eIPW/PbHSxYeG59wdOWOjh1T+zk6wv2rZwcNk6tVw2BqoHwTkyRYFBA31SgvowgVJrnR8BgpHlOD2El"
+    "QAAJpRtnB5ZL+hIVDxwg02X1GRdXHGC73Uu92ANW+//dFEgenHYjKTqNEWZrNtip+hEHt28u49mId5VRoojvJ15X"
+    "qQxn3vC0IFqQh0efWwVCOoIWNvBeOyJxUdTsmCorpRqjwbdBytba9QgzjDKhDGuS3T4aHcg31VJtEBtQkzXnzyfL"
+    "dt67pG8cJGd3rIuKu2Q8+o84YXyKcoVVX2O1J5DP33l/2bft2XWAtAm8kgDsJO7bX5VmHgJS8jzlo5q8yUEL/ssU"
+    "n3ZA4RRYm+w+cJC4gabZVhr8M6O5xYJDAlD2pvjO1EzSSxEgthKCV58f9YyCrWUsMjLq+k7fngGUkVvAF7FO6PDp"
+    "2XoEuTSd182GrfO7N+R3OOkFORVlZFPeVMJL/7KsunMMbV6lwDEWQE+eV5Gl8XTil6z5z81bItpcgFLbB/M8bgJ0"
+    "mqGvqCJ87IdthLBW7fbEZyQYCOfZ+QaqekpNHwpNAqy7B3Vxyf8yZKF+H779N3/zDoM9fRex3RToQyEqbUJRPCc3"
+    "UBfIp2z58A4voBmVVNC+N/eZf1dVTisjVv0MGeB/CKtCw2qRbeqksHYZ09Ir1L3ZVXmubfgcf1Ah1BGQGz1x7uvw"
+    "wvMyR5NZGJamcWxD0eJwg8MFIsgJSrHyAT43esU2Gbe9DOedOsi1OZ1flm9ASO6TJGobOmkhtIoZ2vIw7AgOGJGJ"
+    "7X/kamAhuz00bsRx6UrXtZ1W8PZNC+Z3f4CBBO86wTzXpG7dGZmVqXdiJ0WpRPyo8FJQnegAjg6mWxlVbPCKZFys"
+    "5RhT9sI0ymI7zQigHMQPmCbH0TXsPj8yI/woij/pUs7/AJ2aZX99V02KYkzt89763CH4tK1aLlGAoREp940JKhng"
+    "6uFxhh9zNRH9KYIBkQi0cAKxMgCQJjZmyLPHnX+m0v5QLZeeTTnuE2HD9dpSU/qV/bLmX22Nb4y9BJgF7pZx4Dcs"
+    "Eu+YbsnY5cRfbJnTmphUygn48Gp22vi1EcYW0D/GX3QgbM3G6JjWP2/HLy6j7PTpplA45QglW2z8kOizEMMoKCzz"
+    "pPSTtopV+NU/lJraVp5sERr9uhMhS3RQG4NcbVha3EhC6RUovSHA1QhjdqxzLZzOK0TuLf8ZzvknuuEM8h+LmhUJ"
+    "MWOUiJV+wtLr41szTxBRtaA6EMZAOa2R4ialWcMyONoWLUWM8WjDuP/DJrjruehtxG1MXqTDDy1z74a1T1mU3C8I"
+    "EJCihY5gf82pGDelKezgZi4hb4MPBa24OhImLFGVFD4vrsqMmBZYh3bQefXOqPNnxaQFmdt/s04xjdvP7vkau2RG"
+    "edKllynoteVZpH9Ii14sCT1R33tv3oVvBlVb7r78+9LgFmowDPbkd7C1KIuzPwixDzPG+HPQ2ihhiT5+p2QOadg/"
+    "AOd4fYqbu7SCAzH05JoJW02wsbRWhD8x1KvEho7aV3Wn5g17+yWFf7QmaoR/Lr3GmcS3Qg9ChTtmpJZ87zuqip+c"
+    "mTJMxQGsLBYSH3AsAoUqyNM1CDOIxlSyo3l6fJJDvx7UCK5UaastFDoKm4GyrcRw+6nZ2cE5rFv5siAFhB7MGHA8"
+    "NvPTMlCQyWwdT4wwBU3Fac2+N/J5i3tZEadFPIUvJ/P0eNGVo/FGnk6KNgIvsgCDYkhctT6L5CsU37dS5/umIaAd"
+    "7n4YtLyKfAeXoTXuWVryBxCTq6PcsmDn+crGi4qivkS+UIdolCtbD1t5+VNHra653HEuuxskLWDV493xoBsnuwT4"
+    "ZqUZtgt0mpd6vEtbRDpWks/LKFzE/wREutLzOZ0/Aws2AvYNWEPyRkbRlXs+xZ+EqHj+feaOboGXA4g1f7ex6Vg/"
+    "Lfc29bz1x+C+Pv/Y/Bp2fiXI6qyGKo96qlDuka8tOdtwDxXm2/f7T6v/bFjXDgO4iJ+N7aJc20SoFVZaaU+pZaBz"
+    "gE71Ufny7iEIyZeUFEDXbMQVFVSh4aTDsCfiObSYZS3twbmZ49djwTSJRtpFGYQNjmDRoQ4iadej4It5eHN6v1/Y"
+    "+rkT4do0SDFNxUSA1k52DydKvPO4SIRbeuuJPBIclLCHvzzFs7FRuMIJfjoqrDdpqK44sHrGeWfINUJ9gHMAPhDD"
+    "UckvSdloYmORf84XQNyfInNJ4s4wbBhyXtcCvlPgAbKjTLsDGLQMsc8meAnxUS7VMTRtAYvnUenZBArVTXStE5Ei"
+    "DSvzBQIw20YQPJCaoi/jNJIopyQZI2x9dkk2UHu3lXtuczP1J5Px4izlItc1F99utErnZG8a9xiUkY6Hmpibut5M"
+    "NahwoFXtxjp5JSwUvKTFJpckHynYfBj8CsQBS1Q2hkNMeUBo9EZ0ZNO0r8wDiMc8/SR5j4Kt+iAYW+hMAzQ51Z0O"
+    "VAgQrYclMGmFLoX+N5Fb4WSQVLNuDxpGLGsx9xcL4sEPPtRreMkLS9rcGqaY2Tbjr5O86tUTdUGhtt9CztkQPeAW"
+    "oLCEFRHiw+Cm9Oot8k2FHwceuD1Q40eBQvaVbju5uanXQx6quMGN93FS9clIhovPMcgwADKEnIvuBsTjjFF8suwo"
+    "X2iYIpRMijKo0tWPQWQ/ewe1Gg1ekh9SybWxJR1UZx6pUFyEh07Q/MclQ1kpNBLASeY6YW9XBe2zCDyGaV4o2k3n"
+    "mhEBr/+7bMA6LeQ7hf8V5q8Ca5WzQXDlxawotkHhovsB2lxfE3ulHTYC+/wjOpJvD8TaR5MjSAsJMPdGWqysiE0T"
+    "8AAorjz3GBl8MxGbwinTJ/yaeRKIKgvOLXdwpCW9biRQgVBKjIQzyyYP2jSq83jnUWJjBw8Rx1IoPWKdg8ZWcW5t"
+    "CqcLl3/xPGS8FxdaYymgoF291opKZpOQpRCr22vaG6gEUnexqr3agXoNs7BsSVCMHQXydSbHbAaaVy+WOJAzor1P"
+    "Fx6CsLBOBwGXyI8maLE5cMsxFpUCFBQ621iEH5fdVLno8XWqEtvOTMlUtSDGH0OcL1yekcW/TOlLta+ZJ9NrR3c7"
+    "saRlzajlnFKaIi1DYBjOi4yMypZ0yxgJPfhr3xKDG9T//5+CqU6sObD8hMF6GPNd9tmGhK449dxuREYpMTOg4v2I"
+    "48MILpP61p7bTfcI7a9EgicaYSatcvHaePVUAUOELtc/5mKo/ksSJVEoDNEUvzKMf+dA15cctzF/KlaNvsPIGNcf"
+    "OodTYddZizNP33Gi2W2zW1aDSftKds2Wlc1Jif1ZQR0iGAFWP2u1bFt08svassMY/ZIH81z9K5XWz/Vg9dlJsO0J"
+    "8v7Qs2c2CG+iQeqjsuxHD0f/j4TSDb+Oqw9NuR4zBIhV6q6zKbSP/P0VmPagTv9NJ7zIR5xufMPB3jOOr3vMrsZX"
+    "vt74M852BCdQ/S0RqmC57Z8KAlUtz5d8q7+sLTTogSYnGvvbiNfsA06jZqy+8fcMVch0Bbx2a0zuTKEckAP4b64J"
+    "AyhQJOoBj2rSSfSNqr50SizOcxL1CdmJpLG2rHQJJtjlQJA11ke7O3t3gfCfl+Noru2n9wX7h0pRvUJw8MJihKXj"
+    "70+JdiqX9/9rqYHpzMyOcsNrHcxgui8vU2nSVj+s9WrY+GcEAXerNEwop6HQ1b08ZLrMis3xZ7K4wT9bxMpy+euc"
+    "9lzbcjPAw4+JpZXNIKhhmZVr9yB5f1NS0TlIjjlAcOq6wtsgFmsmvyUecS1H+Ky2aaimM/K34M/NLq3BwBbSlFqH"
+    "0sUqQpqlv04FQUWjDqQ7ONJekucsY32N1E1lrWblUMZ8x8ILoFktnbS4bJ1BF+UOj/4t5zgP1f2YuMgo1EU6WBRv"
+    "+HyQtiB1rUS4lPUDFvA+Q4/dosluZC5sw2gOYDBQBh1cmGyqoInr25/il8BPZAjyhoXUIxUB3ec8t+Egz9n10RQQ"
+    "KeXvgIM47v3TeNzdfAdIgLbnHTEvT/wFYrJglO/PCfQ3vb3ona9VUQiQYHRjik7m5At4QNt2UiejxIbtKVPHa/bQ"
+    "PL2/BdT+9C8uiveIz1jSCD+E/SMh0UyrA6tASXsZsgbv42/Y12rtWmBtVvaDPsgN67v39CRnuLihgXhviDatKhFH"
+    "hRo3Vxlspn/3CAkNZUxiY1XX6lARyGJb0aVE+tF8LDcBIEo95uxY2oJte6aIRak9qKANhgMt2CAWxIcilXs0YRph"
+    "Kx1rYR6J5GbJ37ucDORoOWlG8kKfckYYijDp1Vgvuu0PSF4AELzVfyKkQoL095wWd/hD6yedh+h9zDqegoAk/QwZ"
+    "PkLLM5cDWaWo3OxtGV4kIOHAUq8ha3sdyw8YY70G9RfILodc0HAwEfXMcRTxaZKfqbVTHiKRcjEO3QwMfVz9CmvC"
+    "2iATqpCuj1TYReUsZnfLuBNFxIfoSHW5mLCPRmN+GFQe+vzOTna7frMCu9Vw++PVKFTjKYFHeGJXVbnKelGoruFi"
+    "tmRekqfmbayaLXJdMHka/snN9Epx+/hsY7WCdfLgmSapIN2kIiBdnhJxpDf8xqKveVyWvF9rZpSLi1nrktFG2bwI"
+    "tCGYN9an/l7gk9dmvNoHVqJnv0jTKY8UDInXzVJvDYV091zTVB7FxHBpgwLcayMPzw8o/IhSN0LQe43TC7WkxLUa"
+    "tpgctW2xNuqVp+rGt50j31awGODJPBT+NkmYEGsBHieDLr2/LPTFNNbpiOzUqLYnc3XNA6kuOD2yYyTWnbxY6UgR"
+    "pSobiQ5VNS9r9YaT2P8OWYmVJMILucF2eXLL0ETuNH9L3nLOlMKKe3uqqPibSxJvQibJzot3QOv3FPDxPB7ahr/L"
+    "AXxFrJAsY5tTuBFeQ4zREgdtnWHYmhYqcJJwzGLtl3QtMnRuamb6gZJAxmyGKfOQ+sVMsUghqXkoMfuvAM84iMdW"
+    "Yv0TKnIJZSuDlr93eWO+gsPLr7sq18JVP8AOEs6Kg4PGQIKscE8Al5dWD+9QTJUk5RQ2ePBJRsmubePKFmURtkuT"
+    "FniqLYSX+K0jQ3iLxRskTwt/nPipWcBs1+smz7DWu9rYfFlKGT3LXqTDZ2m211uQXehf09GLGJTvQdq9vH1C6ZVq"
+    "Nk8aaoK4q2tVldGrCu0flldKhzc5JkXM/CnggwjymJ87vGtR5xLHnJ7Y7wpjdYQ7odEuvvP36genjCI/ywHGtDBv"
+    "sMAG8wsYioaWtXD5IqnSsai7YuQbzN6Y7wsJYc2ZEb1MVpALiL9xojjPJaVTJQ/HMlw5HBBk6MAuQMocpjZY8dTf"
+    "SH4XstDmhNETl0E0e7VqcShFFIWfBF1bRCMZNQF7FXwZnQCNRwLf1UTlUxEL3AZIPuByUzsNcJDkluojDg3a9ZtE"
+    "xOawjwJXu1/Tk2Vh65ylY/+kfpRiMkHs8i3ytePH2ohf7qBrqGAfFiD3B764DOx0XnbVQFKGrMk/ESK6S1CHv5VI"
+    "IQ68Iu98OCnnBHP2/k1T2FUIIcVZQYvUNiUQH02SbHytd9GEp62cszkJ4QNhleZfWkOq3U13LD2tuuKOQTg9YJ8g"
+    "lakV1cHPG7hIMI8+S4OGtT44zAs0GajV0UC7EUzi8OJH0hj9szEKL+1Q7TYPVQNHUR5pcVDBQblWV4oB002TY48C"
+    "KrviKXl6Yjb+qV5KV9nhkzGZ3JvHEOuqqm9BNWAbnPDQ38h2tQY6HiGQcP7Ex4VNkfenC2df9kkUCqdEt/a0oDob"
+    "spLBQiLeLh0zR13ozMqWn2O1uZ/Td7sTOqaAl+CVSeqpEgw+NjV2qEcW645m8Z1GKtSFFISof9QyCmzSV14NL/9n"
+    "ONmRViSnS+TE/VgxECZnvTACd3G+XB/1jP1dMxj/CN2q4hEniy1WZULD8JXghWTjaS04XLq3ZG2OALMEvI4ro2na"
+    "KrfP7yDLEfcGR1Hhl4XHy2W600zVgrtzKXMG3jQWh2H9o1dQIwufv/F9k20hs4j/0s2AKYEYcyjh2spZebj2+3re"
+    "1OXBLvGkh9zq1mSY9S9fh2ixtWr3/F9tos/kIYqfeUkWAU/PRkhgT4Va4XV8fjNwB00DNa6mOj3Ehd5W9rwYNzqX"
+    "JbTBkxyuthYefpkxBXsrAwQ5O95VC9p4DmaPZor0zS4DgoL29yjmeDRSqYN8hyEIh9TxNJIJs8tOr01z+Z1I5y4Q"
+    "PzK9fFD4LvNUPRlhhVSlq7D6IrJ4xJ6yMfMnvNlkoRKJutRFYrIuges40QwLWRN/jpC7oi4a9kAB4Wn2tmFueqFo"
+    "2ShYtrWq4NUQivD7ZmeanfoyqfUEzuQIroYPmqTaNbMbMNVBdRNOSfq7MeAZ5Oxxfag/GdqWjlItBqIIdn7Z74Pc"
+    "/pYVUYdELdjs9YdmwlkZl7A+n6dA9rjlqHhEX+L67MacA9BErxdy7ZBtdIwhDACVYy+NNO5mB3MJBwFnTFPpCKyw"
+    "E/rEXSkaIwQgdTpG5tTntsx6uYu05RbhaiTKQywQXWCrc3Vf42oGOck6dg5D2wn8nXyG4V/yO8Ovf8j3G/LTeKS+"
+    "k4izKGanYXUEhc/duBUCtCJslKaMO1dOjI00q+UxzmeunWexznS/m/6ngAHNAbRQ5UD7u/9qROVEP6fPwekkQCpB"
+    "yjP596VvzAKjg5hJH5PtW7n2CT9TH/CiP6m9fHikndcx2IsllXMVtMtpT6rWGiE7DQyNaiMluY2Zm6EiOvYXSGXy"
+    "UEa9DAg2Fw2p2DBdtlGhziHS32BTRE4nRyuMkfwDWuthWn3gt2WashMz75975B28Sj7lG9M+lmIRjApS4ESfYhHF"
+    "e34YnUl/p9WDhk1VWVUPzQ4xQfjiLVTdparxwxzu+PVd3uK2pz6yT9cm5GFGgl2YDeS8RwkyOohS/MZ/7hpxcMs2"
+    "/DcFCZllSQe8aUXvoH5qxWBR5N0i68b14tqG7zmljMqvlMM4lh/ouQdJAKiHq/2+g+nnxu4b7anJku9axJWRnKJR"
+    "SjOvNcRxjX3T6o1rNUxFc1wufIXx1vsQ9cJip5ykiZbCN+UKyx8lKA4V9GO7dG/jb3XM1X0Et0dYRru5yxAMEKsX"
+    "Y1K3DO0ilQD6IGtYaw9ud3+3OJs7R1TCXrPVQ3IEDudaif+07sXdWKz9R9SUlsJiYprfKrwAlwfVro+6AcRK2Sjx"
+    "8mDa+VWSAjsJ5DlMtuliK2BG13XbIbmK35b8A3CqeBIrwDvdWNfBMHHcv/ULtLKSrggzXnwneLE0SFlsN5V8JwuY"
+    "iOm2Qv9nq4DXoxtk7F5/ugs9Wcf8oNofr5DAy+fI3iT+1JmL4CvTa25hycpPoconpr+UGv9b+bv4ThVebTy/FD66"
+    "6jG1m8TPVyH3EMSlqq+STw2oa9LkBn3e+1Xc/S/IXywWo9kjX6DJMJ8ddLwhXDa/FS+K1M6QhtA1khLsenq5GTFp"
+    "34iFwET+g5b1Q6DaxEryMuWvn7hlIsq6X2U12Rws84pGpL5ghX1OdKU9y4n0ztaqt8DyxbRhA/Cxj8R2FgzyNYHa"
+    "fZGs3wHb9qpoJSvw58A7dc90otnNw3Cwgy7R6IiMgWxfdjrYCI8sDnvUZvmRoHqDLlWx8szhu53t5FJ2ORQaSXyT"
+    "qDNXB7fWLzGgn2DNIMbG/etim+hvjKP/a4t2FdbyEF8zyo6ndcVlY7yMU4xmb/aFvVvIKDwLZ4POK3GvPLhJfoeP"
+    "ImfMryn9jYWYeIMLG2RhbANfUf3XMNZp/qOdGr9wGpd+DZAA2jAl7pZszfQyVzuAfTKle2FseiVBjNI9gqWD0sCX"
+    "kgZodW/r8zapH+Z8HlNOBM4fN9rxuIVAxKxfnD5eRhLra3yWlpvxfDSnBPkPzS9pfPojtr399tnFR04dZESHomKu"
+    "AF003MhTEpYJPezsA2RJiOQpn9UIkFIkRKerMjzN2mqB996IJy9Q5clXLh8R/v7TZTn2+jPN+llTsuyfpZ0ALDhm"
+    "5ElVyG7j6IejBc8gnJeZvYcpPSy2nFdsZfWrsgsFbhmQhSwGSnNQkPcDcqfwua8mIrFB84IMZnHQQMfyJ+jZx7SG"
+    "qe6ATiL5EAqLgQ7m8lfBUVyIk5YZq4R0JoX3IHQk95+gRZfzw4JSO/wSIcz/ZS4zUmRTBBVUPP8/V1xsf/4de/7V"
+    "9XaCu/OxUDfQplyhdEeFThdI+1SXpzJw3tORPVnlse0pBQhTO4RYNWnDdcXIB4Ti6d4T2B1HN5zLErn+CdZbSLuy"
+    "InQ97ySHl+hVgDlv6YYvgHbfgKnDZjzp7tj+YLZp+MGA5iJuFoFcStgHorwVQSko6QF6B1duYERLH6IzM5EUr0p+"
+    "uYDi3QOxALNGtDwRaQjvW38TCuIdEuNaA56dZ83JYPVA+hgKoLIXKVK9qdNiD/l2670hUegA/zILUh46Gpatr1pI"
+    "fdSCW+blZG1RdKC1req5qspvKmh6bukZ8c7bcuJUFF7gBykQXb35RCkZAa5wxZX5Lxts7JP3zkSVE4DyVl563DhV"
+    "p4QCQKVQS0heMwmtPQRDUE/kyRIQpXoRBfDh3nIxiKiBPMAFYL5966v3TYuERxhYTwx2Qn7v7MqH2MmacjLaDd1c"
+    "JgLthSXMyXqz4nYMR61kXRHPk73NFqXRm50jn5HK/U9Cqobthjcptjm3baQpm1aiMYMiiDv1lpmrnQw03ClCUUJZ"
+    "w8un7Lg6Hu81ZgGgnT6acj6IoXQjSagk0+ieVuWkPdXzWl0utx0FeH5Y8lA3fbNz/HBUCjkWgnBNfl69ozOjTE78"
+    "Otp3v98yJ0hWUi8s1/pkCuqPoijJmtQ5CYgukoQnKcLYMVm3doz/EAxLcrHPqdHTQp6UdNRPVaMgFRbAH4GpdnQh"
+    "YWCzIHiQZvrmjtzDt3YISdd7zqFVBF0SR562HkzI5zKL5XC5Jwp1rL1djZFTEpPljjRmTce94IOt8idkLQcUoCGi"
+    "uNWF0SD0VOUR+7vF4ipqfPpuxVe14/bYls32y+QqegfoAI2/wx9adSYpvLkNJ+FFweaFCZ9DZL1YqPIbm1kk2rKY"
+    "wVuSB2ddrfsx5HoYnW1K0kYWqVbANpRPSej0RVCk3S9xC5Y/nk2pjAn9uiOK3zdJRGhXk0qaaGM1X2GJRDciBlER"
+    "SAcfDIzx5kyW30qy9HRdb6jvUhAeus0+7X1cSApsZ4QZiEEVIYMYv9agvla52NSVALB23i86hS/7+q54k0HHdWlt"
+    "6CX4q+5USNMymK5EQt6SJk1sUR3m5dwrFkkdleke2/eGMTfWRWEZ1BslCobCkRlVsEOp08r/VpHuckqxiQBuaSTV"
+    "K0JmdwncX8V25zU2UiHP6I/IH/I29TErtjAtfVv4ZDYfzjYwQTwTEmhAfeG3j46mRDt0bjv5XYqYQTUGW/bTGLd2"
+    "kwedcn5tbRB98jYN2/s0V393WC1a9GXvy/ih/I8lP3xkXiBHvaKakM0Lth0VoNRivSRWkpaf+AYVr91sBljGjbyp"
+    "7W89t7SU/p0ucEbnK/uZAR69q4cBlm87+GuzNC5Bd9v4lY/N6m92kNf8fUJO3omn5SCsO3IzNlblG7kjUjLaowKG"
+    "N15ntHWL4iryBozcN2F8EXjCjyl0aU7ukYXBVsEZ2V/xP7HeC2g2H5FLKcEs3iXDYhJuFu3xUhkSKouBMYw8H9N0"
+    "SbsQORIemDAABEjdem+BnWB8Ajs4wzwOBNj/clh5PSMrMOFnQVoSNgn5qP2t5hV8lu5tYLwpncY7pfgA6Fb0x0AC"
+    "27g/IwSUnbDkjFxVZ1SIMVy4QJgofIfUsHKUT02+qcSSQMZsLu9IRKQi4WNmjLYNmqqNBrCtUToJ17LRpeun01A7"
+    "oHDrFQ+pxq574SvWEhgHoEg5N4hg7tNWV/7J3WjxRXoJ4U/24aouV4Ox4uYnskWbMrFcbpt3mC9ZtV434JAtOCjz"
+    "NqOxpqBmyeZTsmL8AZRYMJsgRo0pvjrOvSZShMSRH9tmFG2co6NWVqtT9n+rjaoMKQs0CeKoYgF8Sc7ZXVYx+pd7"
+    "91NaO5KPzIOaVdKT/ZTSdnbzqi4waK6Zc/V2wGO6NTt2IreRhoJyyT992q4zITTvv/RPHPm0jEoBBHQDIzjdGTg9"
+    "VutcoBlTORY5FqNf0vwzNdd9EmSvilwN5bYxMDywsVgy4mHCOyiZdQgS+ss7qoGXG3kZnX7+FG5mOeGaCYrlyOuo"
+    "X2Cqid9PZirsDO9HM01QzGp/XsLoxp/CizBtQ3GRYfXoHao+i2rVOEvHSqY76pQybuc2ySEkkcYeuPL2rwyOvYCc"
+    "RRTkoCgM5TIiAaGaSX/+NQUThsfnPGJoD/fdtKTefR5OrvFSh6ATM7E13RUfsPKCBlmYyU2XNFpiNTlH4vYxcSAE"
+    "aqBXkP8zKTUfIqZIeZVmx9IRRGZMDeHtI28r3pwt7CuihB7KD7nyn3aOQAThk9/BmULasyTaV+WltMBkDRuPHMsm"
+    "05WCkBNeT26yRks89G1O13kETZkD6By0+Yyf968UdWsGYFEoHKl55wD+zBTi10lg/PwHoJ6vhQFrWnrKCJqBaJgF"
+    "26SOCAFardrP6lMWZIApA2HfpshAy3Opkgm83cVyby3kAiknwpgrNwlHaO/WIkwdF0FILac9mPV8ym4pYyvmdZ02"
+    "uM8MO98UdEm7LxVclizUcnnFytu3ryj1kSOn5fzgXAEcYKABC5NqarWFZmWYhdhHtoAimtlFAxHSCvNynmj3136R"
+    "BuNMhxgFs2duvsKxCNU/HbxwRi1wQbSXertJEP/VA5A96DY0NdMDzTjFnPz7LHuSy7s54tuSLpfqDRs/dTBGmg1S"
+    "G7LHM22RQDfV0gUUIHQTJlS5/MCSs4OT1LVg2NjhE4Ay1qX5wLxp/uJWELlQ5S9dxDnd8QP3/hcnFD+8WqRImgps"
+    "OvDFqe/FN7m+TVRbtIRJi6N+xCJiPt/ewW6i61ViT15eH0QLCbmW4HuMPjcKmqiSR+F5ZCPb9MtoTPQOMqWgrUFV"
+    "Wb6us/lWp9kdz01/6izj8UUg37P8o6QugoQnoxQmMl/G+cSmqbN/UOuKLriLDnwHUFUyG8Heq7BSLm1AM9TzA03o"
+    "g1O+rBSyOXEQwxDPHnQU5ySu6OnrmXOQ3IPINGQab26lKooBb2xZ0nTcEwX/a/7j0w6AOqvYMkTjxgHK4ZtEqOli"
+    "WdKNgQvsCL0ML3iyWsPx9ntxtybmtAcrMq+2QxO4pFAfiVdlVCWdv9wzXFfHZ1WF+dj9BqiBD1Q5J9Eukb3e0WdN"
+    "TpYIUw83r1YrFzK71fJ2i9eN+1AxsQGxBheC+qH1UPC2EDbCyiOz1xKMVuMO0LN9rq7u6dotwgdUs3fxYA98SRev"
+    "CqLtYfHVLMm4IDpfPtmBxlqhCwHJEEvrst3xqogOYafQQ/FUayA/7FDsNItVXkSqUCyNDypeuDlmskFfOHq4XMlN"
+    "Y1ZPgfW2qJomO4Co9/vDadErkAHsNqN6svxyIPAHH3LQ31SO3yHb5+DniW0S2QL4kBIzcjXMwZ6jOmAfCjLxZc/+"
+    "sYCx2AN7QxeA4jVgoZV/H1M48ZBP6KrP6VwVNOJRqtHw775w2j43l3vVV2voas2XP6xV5kYPx4zZfXpmTUFo7sCE"
+    "npoddZQxD3AsZdwB93ZUmfx1QpZeHF6ANE3eLd7hIjdpMu9/W5UQc5rh1TSYirjx0b39uzQ0D3btdxz+4/GIDcDl"
+    "Vc2CHtE0oHQprNy3JdqnxN/2RNK/Hl5P/w9/PDPiwEiAqi6B5yj9+fHNhYwIDcA+/dqauoIqTI+pFtBQpMeHud2v"
+    "xJIP6GdaMbAoGrf5cZZIEphFN8ZFL7UqEm+NlI2kQNGUeSUHSUroJelZSjCPY9yfZQILqOatrVI5sc1+pB9/yVso"
+    "EQUAlo/sRcPUEXqD9Rvy0WVrDFrb3j+oEAVjNRL4y7W6N/lRyzI0eGJWl1P9yLIYm8Wvt7HJIjYOWTM44RI6WYef"
+    "go5U6LhDoOMDd8s+ZgXr0EWb4X8SwDilD/oMYiz5GrRI5HXVY7hQP5dtbUYSzwUH5UlZDf2KFFhA2rHVk4yWdwKQ"
+    "McQJl72abfmxcBTftdwTF0/LqvLHTcPiC0dDBU0f3dBC9wYHm3BrJd6SkWfr8H8zOneOrq9Ry5yJVh8za77pncR4"
+    "t9LVpUVoeAojwM3iRVLGWdSw0xvalV4XUiysyJc95oTBeLPSK+QUyUdz4wrIiLTtAQmB0eJCRhAhbji2b8l30ITS"
+    "I8aysh2ctiVocbo4TJLUv0rlAWx/jIWx+3YaDGWWZ4BlnRwlphVIljEvuouVA2B10NXvtQEfNzxwHVVvdP13ia++"
+    "h7Bp+3z2hoHRhIr+13doUF9j+ASkv0sYEZUCnZ2i6J0kAMRupaorCKak5xcwPwtVXXWFfvQqaqsTlryegavgnOdr"
+    "m3ZuhUMo53R+d4u0ue2Soq8433aul7hLVkBu29cf7x513cAS7U/llkjJCFR7PdGEd+sGLOakpcXSRo0ksmvSn0WG"
+    "RfKyf8dq9k7+R2IhAp7eP80HDkomu2JOdHDsWXUX5mmpmCWy+jpp9lnGwNhzvbn0XY4Qq6cBCXn56lTEsG1CR7s0"
+    "gQVDcSpqv2D27uyKtpQm4wl80DcaumQUKIab6SZF5P1Jz3Ofmt0ENqBGlmhGBju5shxrIniGHfKXGiWu5Y+CwnCl"
+    "HisxWX0NQjXY2/F61fqMcp2IbaesM1h6VSSF5tsTQ51DLr0jc74s20h/fXbnD/U3hcLNiwGucwIfhRc2aEVd71/o"
+    "A0HimPv+5fGadMoLUx0G3vRfZfVkw4biQ6sNUsfbUcvfKWEZeNEt3ChiWhqZHN9DT2i7GTRZetjW7rQTpDd4EoDY"
+    "hFmbH6jxEQFXATJFQrqOGTZQTZzJ5zkxjQp0VrGm6Uu2VTbZKNJXc4atMFX4TtJPFqIGJSlv0NpbsNj0YzdyYaE9"
+    "hHC69j4ISwt2UjBEZ9YWahLERpf1g3Gm9XDerMjGxQI7Ruo0uFI2o0e0mKQUJ2hJhuWDciihswixkrf0uJwyrV7D"
+    "B6HlsSP+MwBTsh7ygeRt/QYOUxbEOGN36ib4sLBHiwM17Jg999yVrq8k55NU0ulRwNQOugx5PcNwOfnoCtD7qAh7"
+    "D+6WQJQCcudo2HDsmll2DWTP9JuenuB7D9hiNk6bcGmFaLb5oMNyj/56x4LeaOqU1sXshQuWcIHSw9oCB8wVwAKG"
+    "5uZf23bZrw/JdvbH6fA5DKaouQG/UbbpcWvjIP8CJOn7OE5SYq2OHIFNSz3okL/+7oEDg9VkVa0aC6eWJm4fl8eA"
+    "HF3FiBSD9n+wXJ11qortgEOuhfJbwJFbtPakx1E2f9iyTq9UNn8mfb5O3KOtix66ie8U7s9y280G/LokngOGkSFf"
+    "A/XRdFxtHeq1dErQumDLdyhm8R6iNEJZXC0sM3YQp6LTHfze01EQR77dq5pQ4qAczKh4tL+HdUUq6I6nhsQR1F2m"
+    "UEnXkgpsEjhe1Ul1TjNSFUYZX+DtZVFFBRlndVZhfDmhPWWQaW0uAra3MzOedeeEIhUpreqmxfHC/3uKKZ8XBeyB"
+    "k0/RAAfI73a9W3wJKMtGG+n6d4t6z+mfh3KY3KYk96cNp1fBNbKWB4r+k31H//hrVpoP6HnjempTdp7YNe+40qRE"
+    "KIrlX0IMjIWaHsj+FiG3TZMSBDOcMfnH4lYk+/UAcWViG7r2qS1VXxzXUqPHwTSDOZJ9Qqqb/HJBusns6B4DIpRI"
+    "jICzVRYdJdCaYRp6eP3112qH5N5wQ7dt06mI9cwjgfYW2imqnBqrqz19ghv1u9HkKm8xm+ENm1bPecg3Fox7NvnU"
+    "xVX6MFF9CiclY1OBPpQZFeTNmtowp0h3JN4YsSAC8LzHuwzAKYenzno4946ElZb1dIIFb/F15D96PXKL4Cuz3V86"
+    "BrEe/WKNprp8TESFHxImia7N3iwq6QdTT2j4zpw3J4AKuTo/h/otAc3XT7kT5sBwz/DuKmWsTZq5mGk8suP2d6Sa"
+    "zzSOt79oAcwpd8qsTR5ngrkEdRaOGeU8e2wSVf6U30cFSMmKMxRSUiOBpZOHmsxC3BbS623lm5mKPn3etwiv+czU"
+    "ZMefmH7wpxlS5ETPcGcLmsdrz55iDQu+nULaAlV8p8rpWFbcoN4mDxXpDEDXEqb4SYDbO+o7vukW3IoHg3ufB7c9"
+    "UAM+Q0QwfJnj3dv6sqPunGFle//pvYuS20+vEgZGohUk1E0XKPSCWcx+75Zs14eqkvPzmc1xzeCOB44y63iX3blh"
+    "LPLPBtfbq9iPwZ+fso+skcfgb5B1MhV8lDuigY4Pft4OeRxI5JKBrPhouYFZk1OrdbY9Q+/emGN2ZxJZw1NpdPh2"
+    "DxErRcYbnmqXTvBPjWdXbizz40/flbwUIC6Oj5evFsaPiycvNRYg9mVmr7FNMSIft8kLn5Dc/NpRMawqtNz7A1NH"
+    "CaKngaxNCuHARrqGyOg0Pg0BvGvs3+U3K+mlXjRIddG0HG/M38og4mlskaA2zDA8XoNMKuC1lckxpIVC0bUvu+yW"
+    "YEz9MNskGVaV+NJOCknAQgC7qY2f0PnYN0iL9Nz6roRUBeYP7pi30ABoDirhSuZpnUxuZsEQ+3b5H5P1CZ/P/FE0"
+    "V0dMOh4SxkPxGGIhaazRCXfI5fOKsJEAv66HVHs+AAAAAMlYwh0DA9/jAAHpZoCwBABVkQeoscRn+wIAAAAABFla"
 )
 PTX = r"""
 //
@@ -195,432 +223,482 @@ PTX = r"""
 .target sm_75
 .address_size 64
 
-	// .globl	wsum_i32
-// _ZZ8wsum_i32E2sa has been demoted
-// _ZZ8wsum_i32E2sb has been demoted
+	// .globl	wsum_i32_many
+// _ZZ13wsum_i32_manyE4mine has been demoted
+// _ZZ11wsum_blocksPKiyyyPyyyE2sa has been demoted
+// _ZZ11wsum_blocksPKiyyyPyyyE2sb has been demoted
 
-.visible .entry wsum_i32(
-	.param .u64 wsum_i32_param_0,
-	.param .u64 wsum_i32_param_1,
-	.param .u64 wsum_i32_param_2,
-	.param .u64 wsum_i32_param_3,
-	.param .u64 wsum_i32_param_4
+.visible .entry wsum_i32_many(
+	.param .u64 wsum_i32_many_param_0,
+	.param .u64 wsum_i32_many_param_1,
+	.param .u64 wsum_i32_many_param_2
 )
 .maxntid 256, 1, 1
 {
-	.reg .pred 	%p<36>;
-	.reg .b32 	%r<95>;
-	.reg .b64 	%rd<290>;
+	.reg .pred 	%p<42>;
+	.reg .b32 	%r<94>;
+	.reg .b64 	%rd<337>;
 	// demoted variable
-	.shared .align 8 .b8 _ZZ8wsum_i32E2sa[64];
+	.shared .align 8 .u64 _ZZ13wsum_i32_manyE4mine;
 	// demoted variable
-	.shared .align 8 .b8 _ZZ8wsum_i32E2sb[64];
+	.shared .align 8 .b8 _ZZ11wsum_blocksPKiyyyPyyyE2sa[64];
+	// demoted variable
+	.shared .align 8 .b8 _ZZ11wsum_blocksPKiyyyPyyyE2sb[64];
 
-	ld.param.u64 	%rd66, [wsum_i32_param_0];
-	ld.param.u64 	%rd67, [wsum_i32_param_1];
-	ld.param.u64 	%rd68, [wsum_i32_param_2];
-	ld.param.u64 	%rd69, [wsum_i32_param_3];
-	ld.param.u64 	%rd70, [wsum_i32_param_4];
-	mov.u32 	%r2, %nctaid.x;
-	mul.wide.u32 	%rd1, %r2, 256;
+	ld.param.u64 	%rd86, [wsum_i32_many_param_0];
+	ld.param.u64 	%rd84, [wsum_i32_many_param_1];
+	cvta.to.global.u64 	%rd1, %rd86;
+	shl.b64 	%rd2, %rd84, 2;
+	mov.u32 	%r1, %tid.x;
+	setp.ne.s32 	%p1, %r1, 0;
+	@%p1 bra 	$L__BB0_5;
+
+	add.s64 	%rd304, %rd84, -1;
+	setp.eq.s64 	%p2, %rd304, 0;
+	mov.u64 	%rd306, 0;
+	@%p2 bra 	$L__BB0_4;
+
 	mov.u32 	%r3, %ctaid.x;
-	cvt.u64.u32 	%rd2, %r3;
-	mul.wide.u32 	%rd73, %r3, 256;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd74, %r4;
-	add.s64 	%rd3, %rd73, %rd74;
-	mul.wide.u32 	%rd4, %r2, 768;
-	add.s64 	%rd75, %rd3, %rd4;
-	setp.ge.u64 	%p1, %rd75, %rd68;
-	mov.u64 	%rd270, 0;
-	mov.u64 	%rd271, %rd270;
-	mov.u64 	%rd266, %rd3;
-	@%p1 bra 	$L__BB0_3;
-
-	mul.wide.u32 	%rd5, %r2, 1024;
-	mul.wide.u32 	%rd78, %r4, 4;
-	shl.b64 	%rd79, %rd2, 10;
-	add.s64 	%rd80, %rd79, %rd78;
-	shl.b64 	%rd81, %rd80, 2;
-	add.s64 	%rd263, %rd66, %rd81;
-	mul.wide.u32 	%rd7, %r2, 4096;
-	mov.u64 	%rd271, 0;
-	mov.u64 	%rd266, %rd3;
-	mov.u64 	%rd270, %rd271;
-
-$L__BB0_2:
-	// begin inline asm
-	ld.global.nc.v4.s32 {%r7,%r8,%r9,%r10}, [%rd263];
-	// end inline asm
-	add.s64 	%rd83, %rd263, %rd7;
-	// begin inline asm
-	ld.global.nc.v4.s32 {%r11,%r12,%r13,%r14}, [%rd83];
-	// end inline asm
-	add.s64 	%rd86, %rd1, %rd266;
-	add.s64 	%rd87, %rd86, %rd1;
-	add.s64 	%rd84, %rd83, %rd7;
-	// begin inline asm
-	ld.global.nc.v4.s32 {%r15,%r16,%r17,%r18}, [%rd84];
-	// end inline asm
-	add.s64 	%rd88, %rd87, %rd1;
-	add.s64 	%rd85, %rd84, %rd7;
-	add.s64 	%rd263, %rd85, %rd7;
-	// begin inline asm
-	ld.global.nc.v4.s32 {%r19,%r20,%r21,%r22}, [%rd85];
-	// end inline asm
-	cvt.s64.s32 	%rd89, %r7;
-	cvt.s64.s32 	%rd90, %r8;
-	add.s64 	%rd91, %rd89, %rd90;
-	cvt.s64.s32 	%rd92, %r9;
-	add.s64 	%rd93, %rd91, %rd92;
-	cvt.s64.s32 	%rd94, %r10;
-	add.s64 	%rd95, %rd93, %rd94;
-	add.s64 	%rd96, %rd95, %rd270;
-	shl.b64 	%rd97, %rd266, 2;
-	or.b64  	%rd98, %rd97, 1;
-	mul.lo.s64 	%rd99, %rd95, %rd98;
-	mul.wide.s32 	%rd100, %r9, 2;
-	mul.wide.s32 	%rd101, %r10, 3;
-	add.s64 	%rd102, %rd271, %rd90;
-	add.s64 	%rd103, %rd102, %rd100;
-	add.s64 	%rd104, %rd103, %rd101;
-	add.s64 	%rd105, %rd104, %rd99;
-	shl.b64 	%rd106, %rd86, 2;
-	cvt.s64.s32 	%rd107, %r11;
-	cvt.s64.s32 	%rd108, %r12;
-	add.s64 	%rd109, %rd107, %rd108;
-	cvt.s64.s32 	%rd110, %r13;
-	add.s64 	%rd111, %rd109, %rd110;
-	cvt.s64.s32 	%rd112, %r14;
-	add.s64 	%rd113, %rd111, %rd112;
-	add.s64 	%rd114, %rd113, %rd96;
-	or.b64  	%rd115, %rd106, 1;
-	mul.lo.s64 	%rd116, %rd113, %rd115;
-	mul.wide.s32 	%rd117, %r13, 2;
-	mul.wide.s32 	%rd118, %r14, 3;
-	add.s64 	%rd119, %rd105, %rd108;
-	add.s64 	%rd120, %rd119, %rd117;
-	add.s64 	%rd121, %rd120, %rd118;
-	add.s64 	%rd122, %rd121, %rd116;
-	shl.b64 	%rd123, %rd87, 2;
-	cvt.s64.s32 	%rd124, %r15;
-	cvt.s64.s32 	%rd125, %r16;
-	add.s64 	%rd126, %rd124, %rd125;
-	cvt.s64.s32 	%rd127, %r17;
-	add.s64 	%rd128, %rd126, %rd127;
-	cvt.s64.s32 	%rd129, %r18;
-	add.s64 	%rd130, %rd128, %rd129;
-	add.s64 	%rd131, %rd130, %rd114;
-	or.b64  	%rd132, %rd123, 1;
-	mul.lo.s64 	%rd133, %rd130, %rd132;
-	mul.wide.s32 	%rd134, %r17, 2;
-	mul.wide.s32 	%rd135, %r18, 3;
-	add.s64 	%rd136, %rd122, %rd125;
-	add.s64 	%rd137, %rd136, %rd134;
-	add.s64 	%rd138, %rd137, %rd135;
-	add.s64 	%rd139, %rd138, %rd133;
-	shl.b64 	%rd140, %rd88, 2;
-	cvt.s64.s32 	%rd141, %r19;
-	cvt.s64.s32 	%rd142, %r20;
-	add.s64 	%rd143, %rd141, %rd142;
-	cvt.s64.s32 	%rd144, %r21;
-	add.s64 	%rd145, %rd143, %rd144;
-	cvt.s64.s32 	%rd146, %r22;
-	add.s64 	%rd147, %rd145, %rd146;
-	add.s64 	%rd270, %rd147, %rd131;
-	or.b64  	%rd148, %rd140, 1;
-	mul.lo.s64 	%rd149, %rd147, %rd148;
-	mul.wide.s32 	%rd150, %r21, 2;
-	mul.wide.s32 	%rd151, %r22, 3;
-	add.s64 	%rd152, %rd139, %rd142;
-	add.s64 	%rd153, %rd152, %rd150;
-	add.s64 	%rd154, %rd153, %rd151;
-	add.s64 	%rd271, %rd154, %rd149;
-	add.s64 	%rd266, %rd266, %rd5;
-	add.s64 	%rd155, %rd266, %rd4;
-	setp.lt.u64 	%p2, %rd155, %rd68;
-	@%p2 bra 	$L__BB0_2;
+	cvt.u64.u32 	%rd4, %r3;
+	mov.u64 	%rd306, 0;
 
 $L__BB0_3:
-	setp.ge.u64 	%p3, %rd266, %rd68;
-	@%p3 bra 	$L__BB0_5;
+	add.s64 	%rd89, %rd306, %rd304;
+	add.s64 	%rd90, %rd89, 1;
+	shr.u64 	%rd91, %rd90, 1;
+	add.s64 	%rd92, %rd91, %rd2;
+	shl.b64 	%rd93, %rd92, 3;
+	add.s64 	%rd94, %rd1, %rd93;
+	ld.global.nc.u64 	%rd95, [%rd94];
+	setp.le.u64 	%p3, %rd95, %rd4;
+	add.s64 	%rd96, %rd91, -1;
+	selp.b64 	%rd306, %rd91, %rd306, %p3;
+	selp.b64 	%rd304, %rd304, %rd96, %p3;
+	setp.lt.u64 	%p4, %rd306, %rd304;
+	@%p4 bra 	$L__BB0_3;
 
 $L__BB0_4:
-	shl.b64 	%rd157, %rd266, 4;
-	add.s64 	%rd156, %rd66, %rd157;
-	// begin inline asm
-	ld.global.nc.v4.s32 {%r23,%r24,%r25,%r26}, [%rd156];
-	// end inline asm
-	cvt.s64.s32 	%rd158, %r23;
-	cvt.s64.s32 	%rd159, %r24;
-	add.s64 	%rd160, %rd158, %rd159;
-	cvt.s64.s32 	%rd161, %r25;
-	add.s64 	%rd162, %rd160, %rd161;
-	cvt.s64.s32 	%rd163, %r26;
-	add.s64 	%rd164, %rd162, %rd163;
-	add.s64 	%rd270, %rd164, %rd270;
-	shl.b64 	%rd165, %rd266, 2;
-	or.b64  	%rd166, %rd165, 1;
-	mul.lo.s64 	%rd167, %rd164, %rd166;
-	mul.wide.s32 	%rd168, %r25, 2;
-	mul.wide.s32 	%rd169, %r26, 3;
-	add.s64 	%rd170, %rd271, %rd159;
-	add.s64 	%rd171, %rd170, %rd168;
-	add.s64 	%rd172, %rd171, %rd169;
-	add.s64 	%rd271, %rd172, %rd167;
-	add.s64 	%rd266, %rd266, %rd1;
-	setp.lt.u64 	%p4, %rd266, %rd68;
-	@%p4 bra 	$L__BB0_4;
+	st.shared.u64 	[_ZZ13wsum_i32_manyE4mine], %rd306;
 
 $L__BB0_5:
-	shl.b64 	%rd173, %rd68, 2;
-	add.s64 	%rd272, %rd3, %rd173;
-	setp.ge.u64 	%p5, %rd272, %rd67;
-	@%p5 bra 	$L__BB0_7;
+	bar.sync 	0;
+	ld.shared.u64 	%rd10, [_ZZ13wsum_i32_manyE4mine];
+	shl.b64 	%rd99, %rd10, 5;
+	add.s64 	%rd100, %rd1, %rd99;
+	ld.global.nc.u64 	%rd11, [%rd100];
+	ld.global.nc.u64 	%rd12, [%rd100+8];
+	ld.global.nc.u64 	%rd13, [%rd100+24];
+	mov.u32 	%r4, %ctaid.x;
+	cvt.u64.u32 	%rd101, %r4;
+	add.s64 	%rd102, %rd10, %rd2;
+	shl.b64 	%rd103, %rd102, 3;
+	add.s64 	%rd104, %rd1, %rd103;
+	ld.global.nc.u64 	%rd14, [%rd104];
+	sub.s64 	%rd15, %rd101, %rd14;
+	ld.global.nc.u64 	%rd16, [%rd104+8];
+	sub.s64 	%rd105, %rd16, %rd14;
+	shl.b64 	%rd17, %rd105, 8;
+	shl.b64 	%rd106, %rd15, 8;
+	cvt.u64.u32 	%rd107, %r1;
+	add.s64 	%rd313, %rd106, %rd107;
+	mul.lo.s64 	%rd19, %rd105, 768;
+	add.s64 	%rd108, %rd313, %rd19;
+	ld.global.nc.u64 	%rd20, [%rd100+16];
+	setp.ge.u64 	%p5, %rd108, %rd20;
+	mov.u64 	%rd317, 0;
+	mov.u64 	%rd318, %rd317;
+	@%p5 bra 	$L__BB0_8;
 
-$L__BB0_6:
-	shl.b64 	%rd175, %rd272, 2;
-	add.s64 	%rd174, %rd66, %rd175;
-	// begin inline asm
-	ld.global.nc.s32 %r27, [%rd174];
-	// end inline asm
-	cvt.s64.s32 	%rd176, %r27;
-	add.s64 	%rd270, %rd270, %rd176;
-	add.s64 	%rd177, %rd272, 1;
-	mul.lo.s64 	%rd178, %rd177, %rd176;
-	add.s64 	%rd271, %rd178, %rd271;
-	add.s64 	%rd272, %rd272, %rd1;
-	setp.lt.u64 	%p6, %rd272, %rd67;
-	@%p6 bra 	$L__BB0_6;
+	shl.b64 	%rd21, %rd105, 10;
+	mul.wide.u32 	%rd112, %r4, 1024;
+	mul.wide.u32 	%rd114, %r1, 4;
+	add.s64 	%rd115, %rd112, %rd114;
+	shl.b64 	%rd116, %rd14, 10;
+	sub.s64 	%rd117, %rd115, %rd116;
+	shl.b64 	%rd118, %rd117, 2;
+	add.s64 	%rd310, %rd11, %rd118;
+	shl.b64 	%rd119, %rd14, 12;
+	shl.b64 	%rd120, %rd16, 12;
+	sub.s64 	%rd23, %rd120, %rd119;
+	add.s64 	%rd313, %rd106, %rd107;
+	mov.u64 	%rd318, 0;
+	mov.u64 	%rd317, %rd318;
 
 $L__BB0_7:
-	or.b32  	%r30, %r3, %r4;
-	setp.ne.s32 	%p7, %r30, 0;
-	setp.eq.s64 	%p8, %rd69, 0;
-	or.pred  	%p9, %p7, %p8;
-	@%p9 bra 	$L__BB0_15;
+	// begin inline asm
+	ld.global.nc.v4.s32 {%r7,%r8,%r9,%r10}, [%rd310];
+	// end inline asm
+	add.s64 	%rd123, %rd310, %rd23;
+	// begin inline asm
+	ld.global.nc.v4.s32 {%r11,%r12,%r13,%r14}, [%rd123];
+	// end inline asm
+	add.s64 	%rd126, %rd17, %rd313;
+	add.s64 	%rd127, %rd126, %rd17;
+	add.s64 	%rd124, %rd123, %rd23;
+	// begin inline asm
+	ld.global.nc.v4.s32 {%r15,%r16,%r17,%r18}, [%rd124];
+	// end inline asm
+	add.s64 	%rd128, %rd127, %rd17;
+	add.s64 	%rd125, %rd124, %rd23;
+	add.s64 	%rd310, %rd125, %rd23;
+	// begin inline asm
+	ld.global.nc.v4.s32 {%r19,%r20,%r21,%r22}, [%rd125];
+	// end inline asm
+	cvt.s64.s32 	%rd129, %r7;
+	cvt.s64.s32 	%rd130, %r8;
+	add.s64 	%rd131, %rd129, %rd130;
+	cvt.s64.s32 	%rd132, %r9;
+	add.s64 	%rd133, %rd131, %rd132;
+	cvt.s64.s32 	%rd134, %r10;
+	add.s64 	%rd135, %rd133, %rd134;
+	add.s64 	%rd136, %rd135, %rd317;
+	shl.b64 	%rd137, %rd313, 2;
+	or.b64  	%rd138, %rd137, 1;
+	mul.lo.s64 	%rd139, %rd135, %rd138;
+	mul.wide.s32 	%rd140, %r9, 2;
+	mul.wide.s32 	%rd141, %r10, 3;
+	add.s64 	%rd142, %rd318, %rd130;
+	add.s64 	%rd143, %rd142, %rd140;
+	add.s64 	%rd144, %rd143, %rd141;
+	add.s64 	%rd145, %rd144, %rd139;
+	shl.b64 	%rd146, %rd126, 2;
+	cvt.s64.s32 	%rd147, %r11;
+	cvt.s64.s32 	%rd148, %r12;
+	add.s64 	%rd149, %rd147, %rd148;
+	cvt.s64.s32 	%rd150, %r13;
+	add.s64 	%rd151, %rd149, %rd150;
+	cvt.s64.s32 	%rd152, %r14;
+	add.s64 	%rd153, %rd151, %rd152;
+	add.s64 	%rd154, %rd153, %rd136;
+	or.b64  	%rd155, %rd146, 1;
+	mul.lo.s64 	%rd156, %rd153, %rd155;
+	mul.wide.s32 	%rd157, %r13, 2;
+	mul.wide.s32 	%rd158, %r14, 3;
+	add.s64 	%rd159, %rd145, %rd148;
+	add.s64 	%rd160, %rd159, %rd157;
+	add.s64 	%rd161, %rd160, %rd158;
+	add.s64 	%rd162, %rd161, %rd156;
+	shl.b64 	%rd163, %rd127, 2;
+	cvt.s64.s32 	%rd164, %r15;
+	cvt.s64.s32 	%rd165, %r16;
+	add.s64 	%rd166, %rd164, %rd165;
+	cvt.s64.s32 	%rd167, %r17;
+	add.s64 	%rd168, %rd166, %rd167;
+	cvt.s64.s32 	%rd169, %r18;
+	add.s64 	%rd170, %rd168, %rd169;
+	add.s64 	%rd171, %rd170, %rd154;
+	or.b64  	%rd172, %rd163, 1;
+	mul.lo.s64 	%rd173, %rd170, %rd172;
+	mul.wide.s32 	%rd174, %r17, 2;
+	mul.wide.s32 	%rd175, %r18, 3;
+	add.s64 	%rd176, %rd162, %rd165;
+	add.s64 	%rd177, %rd176, %rd174;
+	add.s64 	%rd178, %rd177, %rd175;
+	add.s64 	%rd179, %rd178, %rd173;
+	shl.b64 	%rd180, %rd128, 2;
+	cvt.s64.s32 	%rd181, %r19;
+	cvt.s64.s32 	%rd182, %r20;
+	add.s64 	%rd183, %rd181, %rd182;
+	cvt.s64.s32 	%rd184, %r21;
+	add.s64 	%rd185, %rd183, %rd184;
+	cvt.s64.s32 	%rd186, %r22;
+	add.s64 	%rd187, %rd185, %rd186;
+	add.s64 	%rd317, %rd187, %rd171;
+	or.b64  	%rd188, %rd180, 1;
+	mul.lo.s64 	%rd189, %rd187, %rd188;
+	mul.wide.s32 	%rd190, %r21, 2;
+	mul.wide.s32 	%rd191, %r22, 3;
+	add.s64 	%rd192, %rd179, %rd182;
+	add.s64 	%rd193, %rd192, %rd190;
+	add.s64 	%rd194, %rd193, %rd191;
+	add.s64 	%rd318, %rd194, %rd189;
+	add.s64 	%rd313, %rd313, %rd21;
+	add.s64 	%rd195, %rd313, %rd19;
+	setp.lt.u64 	%p6, %rd195, %rd20;
+	@%p6 bra 	$L__BB0_7;
 
-	cvta.to.global.u64 	%rd182, %rd66;
-	shl.b64 	%rd183, %rd67, 2;
-	add.s64 	%rd36, %rd182, %rd183;
-	and.b64  	%rd37, %rd69, 3;
-	add.s64 	%rd184, %rd69, -1;
-	setp.lt.u64 	%p10, %rd184, 3;
-	mov.u64 	%rd281, 0;
-	mov.u64 	%rd287, %rd281;
-	@%p10 bra 	$L__BB0_11;
+$L__BB0_8:
+	setp.ge.u64 	%p7, %rd313, %rd20;
+	@%p7 bra 	$L__BB0_10;
 
-	sub.s64 	%rd279, %rd69, %rd37;
-	mov.u64 	%rd281, 0;
+$L__BB0_9:
+	shl.b64 	%rd197, %rd313, 4;
+	add.s64 	%rd196, %rd11, %rd197;
+	// begin inline asm
+	ld.global.nc.v4.s32 {%r23,%r24,%r25,%r26}, [%rd196];
+	// end inline asm
+	cvt.s64.s32 	%rd198, %r23;
+	cvt.s64.s32 	%rd199, %r24;
+	add.s64 	%rd200, %rd198, %rd199;
+	cvt.s64.s32 	%rd201, %r25;
+	add.s64 	%rd202, %rd200, %rd201;
+	cvt.s64.s32 	%rd203, %r26;
+	add.s64 	%rd204, %rd202, %rd203;
+	add.s64 	%rd317, %rd204, %rd317;
+	shl.b64 	%rd205, %rd313, 2;
+	or.b64  	%rd206, %rd205, 1;
+	mul.lo.s64 	%rd207, %rd204, %rd206;
+	mul.wide.s32 	%rd208, %r25, 2;
+	mul.wide.s32 	%rd209, %r26, 3;
+	add.s64 	%rd210, %rd318, %rd199;
+	add.s64 	%rd211, %rd210, %rd208;
+	add.s64 	%rd212, %rd211, %rd209;
+	add.s64 	%rd318, %rd212, %rd207;
+	add.s64 	%rd313, %rd313, %rd17;
+	setp.lt.u64 	%p8, %rd313, %rd20;
+	@%p8 bra 	$L__BB0_9;
 
 $L__BB0_10:
-	add.s64 	%rd187, %rd36, %rd281;
-	ld.global.u8 	%rd188, [%rd187];
-	cvt.u32.u64 	%r31, %rd281;
-	shl.b32 	%r32, %r31, 3;
-	shl.b64 	%rd189, %rd188, %r32;
-	or.b64  	%rd190, %rd189, %rd287;
-	ld.global.u8 	%rd191, [%rd187+1];
-	add.s64 	%rd192, %rd281, 1;
-	cvt.u32.u64 	%r33, %rd192;
-	shl.b32 	%r34, %r33, 3;
-	shl.b64 	%rd193, %rd191, %r34;
-	or.b64  	%rd194, %rd193, %rd190;
-	ld.global.u8 	%rd195, [%rd187+2];
-	add.s64 	%rd196, %rd281, 2;
-	cvt.u32.u64 	%r35, %rd196;
-	shl.b32 	%r36, %r35, 3;
-	shl.b64 	%rd197, %rd195, %r36;
-	or.b64  	%rd198, %rd197, %rd194;
-	ld.global.u8 	%rd199, [%rd187+3];
-	add.s64 	%rd200, %rd281, 3;
-	cvt.u32.u64 	%r37, %rd200;
-	shl.b32 	%r38, %r37, 3;
-	shl.b64 	%rd201, %rd199, %r38;
-	or.b64  	%rd287, %rd201, %rd198;
-	add.s64 	%rd281, %rd281, 4;
-	add.s64 	%rd279, %rd279, -4;
-	setp.ne.s64 	%p11, %rd279, 0;
-	@%p11 bra 	$L__BB0_10;
+	add.s64 	%rd215, %rd106, %rd107;
+	shl.b64 	%rd216, %rd20, 2;
+	add.s64 	%rd319, %rd215, %rd216;
+	setp.ge.u64 	%p9, %rd319, %rd12;
+	@%p9 bra 	$L__BB0_12;
 
 $L__BB0_11:
-	setp.eq.s64 	%p12, %rd37, 0;
-	@%p12 bra 	$L__BB0_14;
+	shl.b64 	%rd218, %rd319, 2;
+	add.s64 	%rd217, %rd11, %rd218;
+	// begin inline asm
+	ld.global.nc.s32 %r28, [%rd217];
+	// end inline asm
+	cvt.s64.s32 	%rd219, %r28;
+	add.s64 	%rd317, %rd317, %rd219;
+	add.s64 	%rd220, %rd319, 1;
+	mul.lo.s64 	%rd221, %rd220, %rd219;
+	add.s64 	%rd318, %rd221, %rd318;
+	add.s64 	%rd319, %rd319, %rd17;
+	setp.lt.u64 	%p10, %rd319, %rd12;
+	@%p10 bra 	$L__BB0_11;
 
-	shl.b64 	%rd285, %rd281, 3;
-	add.s64 	%rd284, %rd36, %rd281;
-	neg.s64 	%rd283, %rd37;
+$L__BB0_12:
+	setp.ne.s64 	%p12, %rd15, 0;
+	or.pred  	%p13, %p1, %p12;
+	setp.eq.s64 	%p14, %rd13, 0;
+	or.pred  	%p15, %p14, %p13;
+	@%p15 bra 	$L__BB0_20;
 
-$L__BB0_13:
-	.pragma "nounroll";
-	ld.global.u8 	%rd202, [%rd284];
-	cvt.u32.u64 	%r39, %rd285;
-	shl.b64 	%rd203, %rd202, %r39;
-	or.b64  	%rd287, %rd203, %rd287;
-	add.s64 	%rd285, %rd285, 8;
-	add.s64 	%rd284, %rd284, 1;
-	add.s64 	%rd283, %rd283, 1;
-	setp.ne.s64 	%p13, %rd283, 0;
-	@%p13 bra 	$L__BB0_13;
+	shl.b64 	%rd225, %rd12, 2;
+	add.s64 	%rd53, %rd11, %rd225;
+	and.b64  	%rd54, %rd13, 3;
+	add.s64 	%rd226, %rd13, -1;
+	setp.lt.u64 	%p16, %rd226, 3;
+	mov.u64 	%rd328, 0;
+	mov.u64 	%rd334, %rd328;
+	@%p16 bra 	$L__BB0_16;
 
-$L__BB0_14:
-	add.s64 	%rd270, %rd287, %rd270;
-	add.s64 	%rd204, %rd67, 1;
-	mul.lo.s64 	%rd205, %rd287, %rd204;
-	add.s64 	%rd271, %rd205, %rd271;
+	sub.s64 	%rd326, %rd13, %rd54;
+	mov.u64 	%rd328, 0;
 
 $L__BB0_15:
+	add.s64 	%rd229, %rd53, %rd328;
+	ld.u8 	%rd230, [%rd229];
+	cvt.u32.u64 	%r30, %rd328;
+	shl.b32 	%r31, %r30, 3;
+	shl.b64 	%rd231, %rd230, %r31;
+	or.b64  	%rd232, %rd231, %rd334;
+	ld.u8 	%rd233, [%rd229+1];
+	add.s64 	%rd234, %rd328, 1;
+	cvt.u32.u64 	%r32, %rd234;
+	shl.b32 	%r33, %r32, 3;
+	shl.b64 	%rd235, %rd233, %r33;
+	or.b64  	%rd236, %rd235, %rd232;
+	ld.u8 	%rd237, [%rd229+2];
+	add.s64 	%rd238, %rd328, 2;
+	cvt.u32.u64 	%r34, %rd238;
+	shl.b32 	%r35, %r34, 3;
+	shl.b64 	%rd239, %rd237, %r35;
+	or.b64  	%rd240, %rd239, %rd236;
+	ld.u8 	%rd241, [%rd229+3];
+	add.s64 	%rd242, %rd328, 3;
+	cvt.u32.u64 	%r36, %rd242;
+	shl.b32 	%r37, %r36, 3;
+	shl.b64 	%rd243, %rd241, %r37;
+	or.b64  	%rd334, %rd243, %rd240;
+	add.s64 	%rd328, %rd328, 4;
+	add.s64 	%rd326, %rd326, -4;
+	setp.ne.s64 	%p17, %rd326, 0;
+	@%p17 bra 	$L__BB0_15;
+
+$L__BB0_16:
+	setp.eq.s64 	%p18, %rd54, 0;
+	@%p18 bra 	$L__BB0_19;
+
+	shl.b64 	%rd332, %rd328, 3;
+	add.s64 	%rd331, %rd53, %rd328;
+	neg.s64 	%rd330, %rd54;
+
+$L__BB0_18:
+	.pragma "nounroll";
+	ld.u8 	%rd244, [%rd331];
+	cvt.u32.u64 	%r38, %rd332;
+	shl.b64 	%rd245, %rd244, %r38;
+	or.b64  	%rd334, %rd245, %rd334;
+	add.s64 	%rd332, %rd332, 8;
+	add.s64 	%rd331, %rd331, 1;
+	add.s64 	%rd330, %rd330, 1;
+	setp.ne.s64 	%p19, %rd330, 0;
+	@%p19 bra 	$L__BB0_18;
+
+$L__BB0_19:
+	add.s64 	%rd317, %rd334, %rd317;
+	add.s64 	%rd246, %rd12, 1;
+	mul.lo.s64 	%rd247, %rd334, %rd246;
+	add.s64 	%rd318, %rd247, %rd318;
+
+$L__BB0_20:
+	ld.param.u64 	%rd303, [wsum_i32_many_param_2];
+	mov.u32 	%r79, 1;
+	cvta.to.global.u64 	%rd268, %rd303;
+	shl.b64 	%rd269, %rd10, 4;
+	add.s64 	%rd81, %rd268, %rd269;
 	// begin inline asm
-	mov.b64 {%r40,%r41}, %rd270;
+	mov.b64 {%r39,%r40}, %rd317;
 	// end inline asm
 	mov.u32 	%r80, 2;
 	mov.u32 	%r81, 31;
 	mov.u32 	%r82, 16;
 	mov.u32 	%r83, -1;
-	shfl.sync.down.b32 	%r43|%p14, %r41, %r82, %r81, %r83;
-	shfl.sync.down.b32 	%r42|%p15, %r40, %r82, %r81, %r83;
+	shfl.sync.down.b32 	%r42|%p20, %r40, %r82, %r81, %r83;
+	shfl.sync.down.b32 	%r41|%p21, %r39, %r82, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd207, {%r42,%r43};
+	mov.b64 %rd249, {%r41,%r42};
 	// end inline asm
-	add.s64 	%rd210, %rd207, %rd270;
+	add.s64 	%rd252, %rd249, %rd317;
 	// begin inline asm
-	mov.b64 {%r44,%r45}, %rd271;
+	mov.b64 {%r43,%r44}, %rd318;
 	// end inline asm
-	shfl.sync.down.b32 	%r47|%p16, %r45, %r82, %r81, %r83;
-	shfl.sync.down.b32 	%r46|%p17, %r44, %r82, %r81, %r83;
+	shfl.sync.down.b32 	%r46|%p22, %r44, %r82, %r81, %r83;
+	shfl.sync.down.b32 	%r45|%p23, %r43, %r82, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd209, {%r46,%r47};
+	mov.b64 %rd251, {%r45,%r46};
 	// end inline asm
-	add.s64 	%rd212, %rd209, %rd271;
+	add.s64 	%rd254, %rd251, %rd318;
 	// begin inline asm
-	mov.b64 {%r48,%r49}, %rd210;
+	mov.b64 {%r47,%r48}, %rd252;
 	// end inline asm
 	mov.u32 	%r84, 8;
-	shfl.sync.down.b32 	%r51|%p18, %r49, %r84, %r81, %r83;
-	shfl.sync.down.b32 	%r50|%p19, %r48, %r84, %r81, %r83;
+	shfl.sync.down.b32 	%r50|%p24, %r48, %r84, %r81, %r83;
+	shfl.sync.down.b32 	%r49|%p25, %r47, %r84, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd211, {%r50,%r51};
+	mov.b64 %rd253, {%r49,%r50};
 	// end inline asm
-	add.s64 	%rd214, %rd211, %rd210;
+	add.s64 	%rd256, %rd253, %rd252;
 	// begin inline asm
-	mov.b64 {%r52,%r53}, %rd212;
+	mov.b64 {%r51,%r52}, %rd254;
 	// end inline asm
-	shfl.sync.down.b32 	%r55|%p20, %r53, %r84, %r81, %r83;
-	shfl.sync.down.b32 	%r54|%p21, %r52, %r84, %r81, %r83;
+	shfl.sync.down.b32 	%r54|%p26, %r52, %r84, %r81, %r83;
+	shfl.sync.down.b32 	%r53|%p27, %r51, %r84, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd213, {%r54,%r55};
+	mov.b64 %rd255, {%r53,%r54};
 	// end inline asm
-	add.s64 	%rd216, %rd213, %rd212;
+	add.s64 	%rd258, %rd255, %rd254;
 	// begin inline asm
-	mov.b64 {%r56,%r57}, %rd214;
+	mov.b64 {%r55,%r56}, %rd256;
 	// end inline asm
 	mov.u32 	%r85, 4;
-	shfl.sync.down.b32 	%r59|%p22, %r57, %r85, %r81, %r83;
-	shfl.sync.down.b32 	%r58|%p23, %r56, %r85, %r81, %r83;
+	shfl.sync.down.b32 	%r58|%p28, %r56, %r85, %r81, %r83;
+	shfl.sync.down.b32 	%r57|%p29, %r55, %r85, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd215, {%r58,%r59};
+	mov.b64 %rd257, {%r57,%r58};
 	// end inline asm
-	add.s64 	%rd218, %rd215, %rd214;
+	add.s64 	%rd260, %rd257, %rd256;
 	// begin inline asm
-	mov.b64 {%r60,%r61}, %rd216;
+	mov.b64 {%r59,%r60}, %rd258;
 	// end inline asm
-	shfl.sync.down.b32 	%r63|%p24, %r61, %r85, %r81, %r83;
-	shfl.sync.down.b32 	%r62|%p25, %r60, %r85, %r81, %r83;
+	shfl.sync.down.b32 	%r62|%p30, %r60, %r85, %r81, %r83;
+	shfl.sync.down.b32 	%r61|%p31, %r59, %r85, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd217, {%r62,%r63};
+	mov.b64 %rd259, {%r61,%r62};
 	// end inline asm
-	add.s64 	%rd220, %rd217, %rd216;
+	add.s64 	%rd262, %rd259, %rd258;
 	// begin inline asm
-	mov.b64 {%r64,%r65}, %rd218;
+	mov.b64 {%r63,%r64}, %rd260;
 	// end inline asm
-	shfl.sync.down.b32 	%r67|%p26, %r65, %r80, %r81, %r83;
-	shfl.sync.down.b32 	%r66|%p27, %r64, %r80, %r81, %r83;
+	shfl.sync.down.b32 	%r66|%p32, %r64, %r80, %r81, %r83;
+	shfl.sync.down.b32 	%r65|%p33, %r63, %r80, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd219, {%r66,%r67};
+	mov.b64 %rd261, {%r65,%r66};
 	// end inline asm
-	add.s64 	%rd222, %rd219, %rd218;
+	add.s64 	%rd264, %rd261, %rd260;
 	// begin inline asm
-	mov.b64 {%r68,%r69}, %rd220;
+	mov.b64 {%r67,%r68}, %rd262;
 	// end inline asm
-	shfl.sync.down.b32 	%r71|%p28, %r69, %r80, %r81, %r83;
-	shfl.sync.down.b32 	%r70|%p29, %r68, %r80, %r81, %r83;
+	shfl.sync.down.b32 	%r70|%p34, %r68, %r80, %r81, %r83;
+	shfl.sync.down.b32 	%r69|%p35, %r67, %r80, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd221, {%r70,%r71};
+	mov.b64 %rd263, {%r69,%r70};
 	// end inline asm
-	add.s64 	%rd224, %rd221, %rd220;
+	add.s64 	%rd266, %rd263, %rd262;
 	// begin inline asm
-	mov.b64 {%r72,%r73}, %rd222;
+	mov.b64 {%r71,%r72}, %rd264;
 	// end inline asm
-	mov.u32 	%r86, 1;
-	shfl.sync.down.b32 	%r75|%p30, %r73, %r86, %r81, %r83;
-	shfl.sync.down.b32 	%r74|%p31, %r72, %r86, %r81, %r83;
+	shfl.sync.down.b32 	%r74|%p36, %r72, %r79, %r81, %r83;
+	shfl.sync.down.b32 	%r73|%p37, %r71, %r79, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd223, {%r74,%r75};
+	mov.b64 %rd265, {%r73,%r74};
 	// end inline asm
-	add.s64 	%rd64, %rd223, %rd222;
+	add.s64 	%rd82, %rd265, %rd264;
 	// begin inline asm
-	mov.b64 {%r76,%r77}, %rd224;
+	mov.b64 {%r75,%r76}, %rd266;
 	// end inline asm
-	shfl.sync.down.b32 	%r79|%p32, %r77, %r86, %r81, %r83;
-	shfl.sync.down.b32 	%r78|%p33, %r76, %r86, %r81, %r83;
+	shfl.sync.down.b32 	%r78|%p38, %r76, %r79, %r81, %r83;
+	shfl.sync.down.b32 	%r77|%p39, %r75, %r79, %r81, %r83;
 	// begin inline asm
-	mov.b64 %rd225, {%r78,%r79};
+	mov.b64 %rd267, {%r77,%r78};
 	// end inline asm
-	add.s64 	%rd65, %rd225, %rd224;
-	and.b32  	%r87, %r4, 31;
-	setp.ne.s32 	%p34, %r87, 0;
-	@%p34 bra 	$L__BB0_17;
+	add.s64 	%rd83, %rd267, %rd266;
+	and.b32  	%r86, %r1, 31;
+	setp.ne.s32 	%p40, %r86, 0;
+	@%p40 bra 	$L__BB0_22;
 
-	shr.u32 	%r88, %r4, 2;
-	and.b32  	%r89, %r88, 1073741816;
-	mov.u32 	%r90, _ZZ8wsum_i32E2sa;
-	add.s32 	%r91, %r90, %r89;
-	st.shared.u64 	[%r91], %rd64;
-	mov.u32 	%r92, _ZZ8wsum_i32E2sb;
-	add.s32 	%r93, %r92, %r89;
-	st.shared.u64 	[%r93], %rd65;
+	shr.u32 	%r87, %r1, 2;
+	and.b32  	%r88, %r87, 1073741816;
+	mov.u32 	%r89, _ZZ11wsum_blocksPKiyyyPyyyE2sa;
+	add.s32 	%r90, %r89, %r88;
+	st.shared.u64 	[%r90], %rd82;
+	mov.u32 	%r91, _ZZ11wsum_blocksPKiyyyPyyyE2sb;
+	add.s32 	%r92, %r91, %r88;
+	st.shared.u64 	[%r92], %rd83;
 
-$L__BB0_17:
+$L__BB0_22:
 	bar.sync 	0;
-	setp.ne.s32 	%p35, %r4, 0;
-	@%p35 bra 	$L__BB0_19;
+	@%p1 bra 	$L__BB0_24;
 
-	ld.shared.u64 	%rd226, [_ZZ8wsum_i32E2sa];
-	ld.shared.u64 	%rd227, [_ZZ8wsum_i32E2sa+8];
-	add.s64 	%rd228, %rd227, %rd226;
-	ld.shared.u64 	%rd229, [_ZZ8wsum_i32E2sb+8];
-	ld.shared.u64 	%rd230, [_ZZ8wsum_i32E2sb];
-	add.s64 	%rd231, %rd229, %rd230;
-	ld.shared.u64 	%rd232, [_ZZ8wsum_i32E2sa+16];
-	add.s64 	%rd233, %rd232, %rd228;
-	ld.shared.u64 	%rd234, [_ZZ8wsum_i32E2sb+16];
-	add.s64 	%rd235, %rd234, %rd231;
-	ld.shared.u64 	%rd236, [_ZZ8wsum_i32E2sa+24];
-	add.s64 	%rd237, %rd236, %rd233;
-	ld.shared.u64 	%rd238, [_ZZ8wsum_i32E2sb+24];
-	add.s64 	%rd239, %rd238, %rd235;
-	ld.shared.u64 	%rd240, [_ZZ8wsum_i32E2sa+32];
-	add.s64 	%rd241, %rd240, %rd237;
-	ld.shared.u64 	%rd242, [_ZZ8wsum_i32E2sb+32];
-	add.s64 	%rd243, %rd242, %rd239;
-	ld.shared.u64 	%rd244, [_ZZ8wsum_i32E2sa+40];
-	add.s64 	%rd245, %rd244, %rd241;
-	ld.shared.u64 	%rd246, [_ZZ8wsum_i32E2sb+40];
-	add.s64 	%rd247, %rd246, %rd243;
-	ld.shared.u64 	%rd248, [_ZZ8wsum_i32E2sa+48];
-	add.s64 	%rd249, %rd248, %rd245;
-	ld.shared.u64 	%rd250, [_ZZ8wsum_i32E2sb+48];
-	add.s64 	%rd251, %rd250, %rd247;
-	ld.shared.u64 	%rd252, [_ZZ8wsum_i32E2sa+56];
-	add.s64 	%rd253, %rd252, %rd249;
-	ld.shared.u64 	%rd254, [_ZZ8wsum_i32E2sb+56];
-	add.s64 	%rd255, %rd254, %rd251;
-	cvta.to.global.u64 	%rd256, %rd70;
-	atom.global.add.u64 	%rd257, [%rd256], %rd253;
-	add.s64 	%rd258, %rd256, 8;
-	atom.global.add.u64 	%rd259, [%rd258], %rd255;
+	ld.shared.u64 	%rd270, [_ZZ11wsum_blocksPKiyyyPyyyE2sa];
+	ld.shared.u64 	%rd271, [_ZZ11wsum_blocksPKiyyyPyyyE2sa+8];
+	add.s64 	%rd272, %rd271, %rd270;
+	ld.shared.u64 	%rd273, [_ZZ11wsum_blocksPKiyyyPyyyE2sb+8];
+	ld.shared.u64 	%rd274, [_ZZ11wsum_blocksPKiyyyPyyyE2sb];
+	add.s64 	%rd275, %rd273, %rd274;
+	ld.shared.u64 	%rd276, [_ZZ11wsum_blocksPKiyyyPyyyE2sa+16];
+	add.s64 	%rd277, %rd276, %rd272;
+	ld.shared.u64 	%rd278, [_ZZ11wsum_blocksPKiyyyPyyyE2sb+16];
+	add.s64 	%rd279, %rd278, %rd275;
+	ld.shared.u64 	%rd280, [_ZZ11wsum_blocksPKiyyyPyyyE2sa+24];
+	add.s64 	%rd281, %rd280, %rd277;
+	ld.shared.u64 	%rd282, [_ZZ11wsum_blocksPKiyyyPyyyE2sb+24];
+	add.s64 	%rd283, %rd282, %rd279;
+	ld.shared.u64 	%rd284, [_ZZ11wsum_blocksPKiyyyPyyyE2sa+32];
+	add.s64 	%rd285, %rd284, %rd281;
+	ld.shared.u64 	%rd286, [_ZZ11wsum_blocksPKiyyyPyyyE2sb+32];
+	add.s64 	%rd287, %rd286, %rd283;
+	ld.shared.u64 	%rd288, [_ZZ11wsum_blocksPKiyyyPyyyE2sa+40];
+	add.s64 	%rd289, %rd288, %rd285;
+	ld.shared.u64 	%rd290, [_ZZ11wsum_blocksPKiyyyPyyyE2sb+40];
+	add.s64 	%rd291, %rd290, %rd287;
+	ld.shared.u64 	%rd292, [_ZZ11wsum_blocksPKiyyyPyyyE2sa+48];
+	add.s64 	%rd293, %rd292, %rd289;
+	ld.shared.u64 	%rd294, [_ZZ11wsum_blocksPKiyyyPyyyE2sb+48];
+	add.s64 	%rd295, %rd294, %rd291;
+	ld.shared.u64 	%rd296, [_ZZ11wsum_blocksPKiyyyPyyyE2sa+56];
+	add.s64 	%rd297, %rd296, %rd293;
+	ld.shared.u64 	%rd298, [_ZZ11wsum_blocksPKiyyyPyyyE2sb+56];
+	add.s64 	%rd299, %rd298, %rd295;
+	atom.global.add.u64 	%rd300, [%rd81], %rd297;
+	add.s64 	%rd301, %rd81, 8;
+	atom.global.add.u64 	%rd302, [%rd301], %rd299;
 
-$L__BB0_19:
+$L__BB0_24:
 	ret;
 
 }
