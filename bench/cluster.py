@@ -39,13 +39,17 @@ Measured in one run, each against the link cap ``C`` (``--cap``, Mbit/s):
   chains them at claim time. ``last_s`` as above, ``vs_one = last_s / last_s(N=1)``
   (one target alone, same run, same links), ``origin_models``: bytes the origin's NIC
   sent over the model's size, ``links``: each host's (tx, rx) MB, ``paths``: each
-  transfer's ``relay_path`` length (1: read the origin).
+  transfer's ``relay_path`` length (1: read the origin). Agents write each finished
+  transfer out (``--out``) before they report it, so ``last_s`` includes a safetensors
+  write per target, which this machine's one disk does N times over; ``--relay-no-out``
+  keeps the transfers in memory (the finish is then the last verified byte).
 
 ``achieved`` is the pull's data-plane rate (``gbps`` of its result: first READ to last
 byte) in Mbit/s.
 
 Usage: sudo python bench/cluster.py [--cap 400] [--targets 2,4,8] [--stripes 2,4] [--quick]
        [--only relay] [--relay-model uniform,minilm] [--relay-chunk 2097152] [--queue-ms 100]
+       [--relay-no-out]
 Prints progress lines on stderr, then ONE JSON object on the last line of stdout.
 """
 
