@@ -400,8 +400,12 @@ def host_target(args: argparse.Namespace) -> None:
     import torch  # noqa: F401
     import xxhash  # noqa: F401
 
+    import modelexpress.checkpoint  # noqa: F401
     import modelexpress.local.client  # noqa: F401
     import modelexpress.local.hostcopy  # noqa: F401
+    import modelexpress.local.memory  # noqa: F401
+    import modelexpress.p2p.target  # noqa: F401
+    import modelexpress.transfer.digest  # noqa: F401
     import modelexpress.transfer.planner  # noqa: F401
     if what == "disk":
         from modelexpress.checkpoint import time_disk_load

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING
 
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import BackendError, ConfigError, PeerError
+# At import, not in _read_file: the copy threads would take the import lock mid-copy.
+from modelexpress.local.origin import NOWAIT_UNSUPPORTED, read_cached
 # The libc bindings the host VMM backend already declares (mmap/munmap with errno).
 from modelexpress.vmm.host import _MAP_FAILED, _MAP_NORESERVE, _mmap, _munmap
 
@@ -399,7 +401,6 @@ class HostMapping(ClosedOnCollect):
     def _read_file(self, j: int, offset: int, dst_addr: int, nbytes: int) -> None:
         """A file segment's bytes from the page cache, never waiting for a disk; what
         the page cache does not hold (evicted, or the file shrank) from the memfd."""
-        from modelexpress.local.origin import NOWAIT_UNSUPPORTED, read_cached
         s, e, fd, foff = self._ext[j]
         if offset < 0 or nbytes < 0 or offset + nbytes > e - s:
             raise ConfigError(f"read of {nbytes} bytes at offset {offset} is outside a "
