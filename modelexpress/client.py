@@ -396,7 +396,8 @@ class MxClient(ClosedOnCollect):
     def start_transfer(self, identity: ModelIdentity | str, target_worker: str, *,
                        source_id: str | None = None,
                        policy: Literal["random", "spread"] | None = None,
-                       run_by_target: bool = False, relay_read: bool = False) -> TransferInfo:
+                       run_by_target: bool = False, relay_read: bool = False,
+                       relay_serve: bool = False) -> TransferInfo:
         """Start a transfer of ``identity`` to the agent ``target_worker`` (PENDING).
 
         Not retried after the request may have reached the server (it would start a
@@ -408,18 +409,26 @@ class MxClient(ClosedOnCollect):
                 (what :func:`modelexpress.p2p.pull` does); no agent claims it.
             relay_read: with ``run_by_target``: the server plans it at once as a fleet
                 relay reader (``relay_path`` may start at a relaying agent's transfer).
+            relay_serve: with ``relay_read``: it is also a holder that later transfers
+                may read from (its ``relay`` is true; the caller serves it).
+            Both need API version 3: left out for an older server, which plans no
+            relay (the transfer then reads its candidates as before).
 
         Raises:
             ConflictError: no READY source (or the named source is not READY).
             NotFoundError: the named source does not exist.
         """
         ident = identity.id if isinstance(identity, ModelIdentity) else identity
+        body = {"identity_id": ident, "target_worker": target_worker,
+                "source_id": source_id, "policy": policy, "run_by_target": run_by_target}
+        relay = {**({"relay_read": True} if relay_read else {}),
+                 **({"relay_serve": True} if relay_serve else {})}
+
+        def for_version(version: int) -> dict[str, Any]:
+            return {**body, **relay} if version >= 3 else body
+
         return _reply(TransferInfo, self._request(
-            "POST", "/v1/transfers", idempotent=False,
-            json={"identity_id": ident, "target_worker": target_worker,
-                  "source_id": source_id, "policy": policy,
-                  "run_by_target": run_by_target,
-                  **({"relay_read": True} if relay_read else {})}))
+            "POST", "/v1/transfers", idempotent=False, json=for_version))
 
     def rank_sources(self, identity: ModelIdentity | str, *,
                      policy: Literal["random", "spread"] | None = None,

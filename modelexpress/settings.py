@@ -131,7 +131,8 @@ class MxSettings(BaseSettings):
         "An agent serves the chunks of a transfer it has verified while it still receives, "
         "and reads from other targets that do (fleet relay: the origin sends the model "
         "about once however many targets start together); modelexpress pull reads from "
-        "relaying agents but relays to nobody.")
+        "relaying agents but relays to nobody; vLLM engines (the modelexpress loader) "
+        "relay while they receive, like agents.")
     relay_chunk_bytes: int = _field(
         4 * _MIB, "p2p",
         "Fleet relay: most bytes per relayed piece (a larger tensor is cut into pieces, "
@@ -143,6 +144,11 @@ class MxSettings(BaseSettings):
         "Server: live readers per holder (source or relaying target) before a claim goes "
         "to another; 1 builds chains, 2 binary trees; 0 lets the planner choose from the "
         "fleet size and MX_RELAY_CHUNK_BYTES.", ge=0)
+    relay_linger_s: float = _field(
+        10.0, "p2p",
+        "Fleet relay: a vLLM engine whose pull relayed keeps serving the engines still "
+        "reading from it for at most this long after its own pull, then withdraws (they "
+        "read the rest from the next holder) and post-processes its weights.", ge=0)
     relay_link_mbit: float = _field(
         0.0, "p2p",
         "Fleet relay: this agent's NIC speed in Mbit/s, told to the server's planner (a "

@@ -68,7 +68,7 @@ VERDICTS = ("ok", "slow", "unknown")
 API_HEADER = "X-MX-API-Version"
 """The header that carries a request's (client's) or a response's (server's) API version."""
 
-API_VERSION = 2
+API_VERSION = 3
 """The control-plane API version this release speaks."""
 
 MIN_API_VERSION = 1
@@ -80,6 +80,8 @@ API_VERSIONS: dict[int, str] = {
     2: "X-MX-API-Version on every request and response; health reports the server's API "
        "range; a source record names its GPUs by UUID (devices); engines report "
        "compiled-artifact outcomes (POST /v1/artifacts/outcomes)",
+    3: "a pull's transfer may be planned at creation as a fleet-relay reader "
+       "(relay_read) and holder (relay_serve) on POST /v1/transfers",
 }
 """What each API version added (the upgrade notes a version mismatch points at)."""
 

@@ -383,7 +383,8 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
         rec = cp.create_transfer(body.identity_id, body.target_worker,
                                  source_id=body.source_id, policy=body.policy,
                                  run_by_target=body.run_by_target,
-                                 relay_read=body.relay_read)
+                                 relay_read=body.relay_read,
+                                 relay_serve=body.relay_serve)
         wakeup.notify()
         return rec
 

@@ -133,6 +133,10 @@ class TransferCreate(_Model):
         False, description="With run_by_target: plan the transfer now as a fleet-relay "
                            "reader (relay_path), so it may read the chunks of a relaying "
                            "agent's live transfer; it relays to nobody itself.")
+    relay_serve: bool = Field(
+        False, description="With relay_read: the transfer is also a holder that later "
+                           "transfers of the model may read from while it receives (a vLLM "
+                           "engine's pull relays; the target serves it).")
 
 
 class ProgressIn(_Model):

@@ -304,7 +304,8 @@ class ControlPlane:
 
     def create_transfer(self, identity_id: str, target_worker: str, *,
                         source_id: str | None = None, policy: str | None = None,
-                        run_by_target: bool = False, relay_read: bool = False) -> Record:
+                        run_by_target: bool = False, relay_read: bool = False,
+                        relay_serve: bool = False) -> Record:
         """Start a transfer (PENDING) of ``identity_id`` to ``target_worker``.
 
         Args:
@@ -313,7 +314,9 @@ class ControlPlane:
             relay_read: with ``run_by_target`` and no named source, plan it now as an
                 agent's claim is planned (:meth:`_plan_claim`): a ``relay_path`` that may
                 start at a relaying agent's live transfer. It is no holder itself (a
-                pull process does not relay: ``relay`` stays false).
+                pull process does not relay: ``relay`` stays false) unless
+                ``relay_serve``: then it is a holder as a relaying agent's claim is (a
+                vLLM engine's pull, which serves its destination while it receives).
 
         Returns:
             The record; ``candidates`` lists the READY sources in the order to try
@@ -348,7 +351,7 @@ class ControlPlane:
         if run_by_target and relay_read and source_id is None:
             # Born claimed, so planned now: the claim is the creation.
             with self._claim_lock:
-                record.update(self._plan_claim(record, {"relay": "1"}, holder=False))
+                record.update(self._plan_claim(record, {"relay": "1"}, holder=relay_serve))
                 self.store.create("transfers", record)
         else:
             self.store.create("transfers", record)

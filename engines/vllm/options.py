@@ -55,7 +55,8 @@ class LoaderOptions:
             extra-config key (heartbeat interval, single-region arena) is read from it.
         pull_options: how the pull runs: ``PullOptions.from_settings(settings)`` with
             ``pull_timeout_s`` and ``verify`` over it (source policy, attempts, chunk
-            size, rate cap, transport refusal and NIXL backend come from the settings).
+            size, rate cap, transport refusal, NIXL backend and the fleet relay,
+            ``MX_RELAY``, come from the settings).
     """
 
     server_url: str
@@ -77,8 +78,12 @@ class LoaderOptions:
 
     def __post_init__(self) -> None:
         if self.pull_options is None:
-            pull = (PullOptions.from_settings(self.settings) if self.settings is not None
-                    else PullOptions())
+            # Engines that start together relay (MX_RELAY): each serves the pieces it
+            # verified to the ones behind it while it receives, and withdraws before
+            # vLLM post-processes the weights (modelexpress.p2p.relay_pull).
+            pull = (PullOptions.from_settings(self.settings, relay_read=self.settings.relay,
+                                              relay_serve=self.settings.relay)
+                    if self.settings is not None else PullOptions())
             object.__setattr__(self, "pull_options", pull.replace(
                 timeout_s=self.pull_timeout_s, verify=self.verify))
 

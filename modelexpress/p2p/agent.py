@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 
 _AGENT_PULL = PullOptions(progress_interval_s=0.2, track=False)
-_LIVE = ("PENDING", "RUNNING", "STOPPING")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,18 +376,13 @@ class Agent(Closeable):
         (the ones whose path starts with it), then withdraws: a chain's last targets
         would otherwise read their last chunks from the origin. Bounded by the pull
         deadline; a thread, so the agent takes its next transfer meanwhile."""
-        ref = f"t:{transfer.id}"
-        end = time.monotonic() + self.options.pull.timeout_s
+        from modelexpress.p2p.relay_pull import wait_unread
 
         def run() -> None:
             try:
-                while time.monotonic() < end and not self._closed:
-                    readers = [t for t in self.client.list_transfers(
-                        identity=transfer.identity_id)
-                        if t.relay_path[:1] == (ref,) and t.state in _LIVE]
-                    if not readers:
-                        return
-                    time.sleep(0.2)
+                wait_unread(self.client, transfer.id, transfer.identity_id,
+                            timeout_s=self.options.pull.timeout_s,
+                            closed=lambda: self._closed)
             except MxError as exc:
                 log.warning("transfer %s: could not list the readers of its relay (%s); "
                             "withdrawing it", transfer.id, exc)

@@ -59,7 +59,16 @@ class PullOptions:
             it may read each chunk from a relaying agent's live transfer as soon as that
             agent verified it (:mod:`~modelexpress.p2p.relay`); it relays to nobody. The
             CLI's ``pull`` sets it from ``MX_RELAY``; off by default elsewhere.
+        relay_serve: with ``relay_read``, the pull is also a holder: its destination
+            is published as a relay source before the first byte lands and serves each
+            verified piece to later pulls while it receives; after it succeeded it serves
+            the pulls still reading from it for at most ``relay_linger_s``, then
+            withdraws, so nothing is served once the pull returned (the vLLM loader sets
+            it from ``MX_RELAY``: engines that start together; its post-processing then
+            runs on memory nobody reads).
         relay_chunk_bytes: bytes per relayed READ (``MX_RELAY_CHUNK_BYTES``).
+        relay_linger_s: see ``relay_serve`` (``MX_RELAY_LINGER_S``).
+        heartbeat_interval_s: heartbeat of a relay source (``MX_HEARTBEAT_INTERVAL_S``).
 
     Raises:
         ConfigError: a value out of range; the message names the allowed ones.
@@ -84,7 +93,10 @@ class PullOptions:
     backend: str = "UCX"
     local: LocalOptions = LocalOptions()
     relay_read: bool = False
+    relay_serve: bool = False
     relay_chunk_bytes: int = 4 << 20
+    relay_linger_s: float = 10.0
+    heartbeat_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         # Sequences given as lists stay hashable and immutable.
@@ -99,6 +111,9 @@ class PullOptions:
             ("timeout_s", self.timeout_s, self.timeout_s > 0, "> 0"),
             ("chunk_bytes", self.chunk_bytes, self.chunk_bytes > 0, "> 0"),
             ("relay_chunk_bytes", self.relay_chunk_bytes, self.relay_chunk_bytes > 0, "> 0"),
+            ("relay_linger_s", self.relay_linger_s, self.relay_linger_s >= 0, ">= 0"),
+            ("heartbeat_interval_s", self.heartbeat_interval_s,
+             self.heartbeat_interval_s > 0, "> 0"),
             ("stall_s", self.stall_s, self.stall_s >= 0, ">= 0 (0: only the deadline)"),
             ("max_gbps", self.max_gbps, self.max_gbps >= 0, ">= 0 (0: no cap)"),
             ("progress_interval_s", self.progress_interval_s, self.progress_interval_s >= 0,
@@ -129,6 +144,8 @@ class PullOptions:
             "backend": settings.nixl_backend,
             "local": LocalOptions.from_settings(settings),
             "relay_chunk_bytes": settings.relay_chunk_bytes,
+            "relay_linger_s": settings.relay_linger_s,
+            "heartbeat_interval_s": settings.heartbeat_interval_s,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 from modelexpress.errors import (ConflictError, ManifestMismatchError, MxError, NoSourceError,
                                  TransferCancelledError, TransferError, TransferTimeoutError)
 from modelexpress.p2p.options import PullOptions
+from modelexpress.p2p.relay_pull import RelayedPull, relay_factory
 from modelexpress.p2p.tracking import RateCap, TransferTracker, outcome_of
 
 if TYPE_CHECKING:
     import torch
 
-    from modelexpress.client import MxClient, SourceInfo
+    from modelexpress.client import MxClient, SourceInfo, TransferInfo
     from modelexpress.identity import ModelIdentity
     from modelexpress.p2p.readers import AgentStart, ReaderFactory, SourceReader
     from modelexpress.transfer import Manifest, NixlTransferManager, StopSignal, TransferResult
@@ -429,14 +430,18 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
     factory = _compose(readers, _local_factory(opts))
     tracker = record
     own_record: TransferTracker | None = None
+    relayed: list[RelayedPull] = []
     from modelexpress.transfer.digest import pause_builds, resume_builds, warm_up_for
     pause_builds()  # a digest kernel build waits for the pull (GIL: transfer.digest)
     try:
         with clock.phase("control_plane"):
-            candidate_ids, own_record, relay_path = _candidates(client, identity, opts,
-                                                                record is not None)
+            candidate_ids, own_record, own_info = _candidates(client, identity, opts,
+                                                              record is not None)
             tracker = tracker or own_record
-            factory = _compose(_relay_factory(client, relay_path, identity, opts, nixl),
+            advertise = ((lambda done, total: own_record.report(done, total, force=True))
+                         if own_record is not None else None)
+            factory = _compose(relay_factory(client, own_info, identity, opts, nixl.get,
+                                             advertise=advertise, local=_local_factory(opts)),
                                factory)
             by_preference = ([i for i in opts.prefer if i in candidate_ids]
                              + [i for i in candidate_ids if i not in set(opts.prefer)])
@@ -457,7 +462,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         chosen = {info.id: factory(info, manifest) if factory is not None else None
                   for info, manifest in sources}
         first = sources[:opts.stripe] if opts.stripe > 1 else sources[:1]
-        needs_nixl = any(chosen[info.id] is None or isinstance(chosen[info.id], _RelayPull)
+        relayed = [r for r in chosen.values() if isinstance(r, RelayedPull)]
+        needs_nixl = any(chosen[info.id] is None or isinstance(chosen[info.id], RelayedPull)
                          for info, _ in first)
         with clock.phase("imports"):
             import torch  # noqa: F401 - a fresh process pays this here, on the critical path
@@ -510,6 +516,10 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
                 tracker.report(out.bytes, out.bytes, force=True, rate_bps=out.gbps * 1e9)
             if own_record is not None:
                 own_record.finish("SUCCEEDED", done=out.bytes, outcome=outcome_of(out))
+        # ORDER: after SUCCEEDED (a reader takes it as "holds it all"), before returning
+        # (the caller may change the destination: relay_pull's docstring).
+        for r in relayed:
+            r.release()
         out = dataclasses.replace(out, total_seconds=clock.total(),
                                   phases=_phases(clock, results, puller, agent_s))
         log.info("pulled %s: %d bytes, %d tensors from %s in %.3f s (%.2f GB/s, %s; the "
@@ -528,6 +538,8 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
                               done=own_record.done)
         raise
     finally:
+        for r in relayed:
+            r.close()  # withdrawn already unless the pull failed
         nixl.close()
         resume_builds()
 
@@ -564,18 +576,21 @@ def _skipped(info: "SourceInfo", reason: str) -> SkippedSource:
 
 
 def _candidates(client: "MxClient", identity: "ModelIdentity", opts: PullOptions,
-                has_record: bool) -> tuple[list[str], TransferTracker | None, tuple[str, ...]]:
-    """Source ids in the server's order and, when the pull tracks itself, its record and
-    its ``relay_path`` (``opts.relay_read``; empty otherwise)."""
+                has_record: bool
+                ) -> tuple[list[str], TransferTracker | None, "TransferInfo | None"]:
+    """Source ids in the server's order and, when the pull tracks itself, its tracker
+    and its record (whose ``relay_path`` is set for ``opts.relay_read``)."""
     if has_record or not opts.track:
-        return [s.id for s in client.rank_sources(identity, policy=opts.policy)], None, ()  # type: ignore[arg-type]
+        return [s.id for s in client.rank_sources(identity, policy=opts.policy)], None, None  # type: ignore[arg-type]
     from modelexpress.p2p.source import default_worker_id
 
     try:
         record = client.start_transfer(identity, opts.worker_id or default_worker_id("pull"),
                                        policy=opts.policy,  # type: ignore[arg-type]
                                        run_by_target=True,
-                                       relay_read=opts.relay_read and opts.stripe == 1)
+                                       relay_read=opts.relay_read and opts.stripe == 1,
+                                       relay_serve=(opts.relay_serve and opts.relay_read
+                                                    and opts.stripe == 1))
     except ConflictError as exc:
         raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
                             f"rank {identity.rank}): {exc}") from exc
@@ -583,48 +598,7 @@ def _candidates(client: "MxClient", identity: "ModelIdentity", opts: PullOptions
              len(record.candidates))
     return list(record.candidates), TransferTracker(
         client, record.id, interval_s=opts.progress_interval_s, source_id=record.source_id,
-        run_by_target=True), tuple(record.relay_path)
-
-
-class _RelayPull:
-    """The reader of a pull the server planned behind a relaying agent's live transfer:
-    a :class:`~modelexpress.p2p.relay.RelayReader` over the pull's NIXL manager, made
-    when the read starts (the manager may still be starting). It advertises nothing:
-    a pull process relays to nobody (docs/DEPLOYMENT.md, "Fleet scale-up")."""
-
-    def __init__(self, client: "MxClient", info: "SourceInfo", manifest: "Manifest",
-                 path: tuple[str, ...], identity: "ModelIdentity", opts: PullOptions,
-                 nixl: _Nixl) -> None:
-        self.client, self.info, self.manifest, self.path = client, info, manifest, path
-        self.identity, self.opts, self.nixl = identity, opts, nixl
-
-    def read_into(self, dest: Mapping[str, "torch.Tensor"], *, allow_partial: bool,
-                  progress: Callable[[int, int], None], stop: "StopSignal | None",
-                  deadline_s: float) -> "TransferResult":
-        from modelexpress.p2p.relay import RelayReader
-
-        reader = RelayReader(self.client, self.nixl.get(dest), self.info, self.manifest,
-                             self.path, identity_id=self.identity.id,
-                             chunk_bytes=self.opts.relay_chunk_bytes,
-                             stall_s=self.opts.stall_s, verify=self.opts.verify,
-                             refuse_slow_transport=self.opts.refuse_slow_transport)
-        result = reader.read_into(dest, allow_partial=allow_partial, progress=progress,
-                                  stop=stop, deadline_s=deadline_s)
-        log.info("pull of %s read through %s", self.identity.model, ", ".join(reader.read_from))
-        return result
-
-
-def _relay_factory(client: "MxClient", path: tuple[str, ...], identity: "ModelIdentity",
-                   opts: PullOptions, nixl: _Nixl) -> "ReaderFactory | None":
-    """The reader of the path's origin when the server put this pull behind a relaying
-    transfer (``t:`` first on its ``relay_path``); None otherwise."""
-    if not path or not path[0].startswith("t:"):
-        return None
-    from modelexpress.p2p.relay_plan import source_ref
-
-    return lambda info, manifest: (_RelayPull(client, info, manifest, path, identity, opts,
-                                              nixl)
-                                   if source_ref(info.id) == path[-1] else None)
+        run_by_target=True), record
 
 
 def _fetch_sources(client: "MxClient", ids: Sequence[str], opts: PullOptions,

@@ -237,3 +237,56 @@ def test_tensor_parallel_2_each_rank_pulls_its_own(ckpt, logs, server) -> None:
             b.start().wait_ready()
             _assert_pulled(b, ranks=2)
             assert _answers(b) == expected
+
+
+def test_an_engine_relays_the_pieces_it_verified_while_it_receives(ckpt, logs, server) -> None:
+    """Engines that start together relay (``MX_RELAY``, on by default): B pulls from A
+    (its rate capped, so it is still receiving), a pull started meanwhile is planned
+    behind B and reads the pieces B verified, and B withdraws its relay before vLLM
+    post-processes its weights, then answers as A. The local transport is off, as
+    between hosts: a same-host origin is read through it instead of a relay."""
+    from modelexpress.identity import ModelIdentity
+    from modelexpress.p2p import PullOptions, pull
+    from modelexpress.settings import MxSettings
+
+    env = _mx_env(server, MX_IPC_DIR="off")
+    with Engine(ckpt, name="A-relay", log_dir=logs, load_format="mx", env=env,
+                extra_args=_extra_config("relay")) as a:
+        a.start().wait_ready()
+        expected = _answers(a)
+        (source_id,) = _source_ids(a)
+        slow = _mx_env(server, MX_IPC_DIR="off", MX_TRANSFER_MAX_GBPS="0.003",
+                       MX_RELAY_CHUNK_BYTES=str(1 << 20))
+        with _client(server) as client, _weights_away(ckpt):
+            origin = client.get_source(source_id)
+            total = sum(int(t["nbytes"]) for t in origin.manifest["tensors"])
+            with Engine(ckpt, name="B-relay", log_dir=logs, load_format="mx", env=slow,
+                        extra_args=_extra_config("relay", mx_serve_after_pull=False)) as b:
+                b.start()
+                deadline = time.monotonic() + 240.0
+                rec_b = None
+                while rec_b is None:
+                    assert time.monotonic() < deadline, b.log_tail()
+                    rec_b = next((t for t in client.list_transfers(identity=origin.identity_id)
+                                  if t.state == "RUNNING" and 0 < t.bytes_done < total), None)
+                    time.sleep(0.05)
+                got: dict = {}
+                result = pull(ModelIdentity.from_dict(origin.identity), client=client,
+                              on_destination=got.update,
+                              options=PullOptions.from_settings(
+                                  MxSettings(ipc_dir="off"), relay_read=True,
+                                  relay_chunk_bytes=1 << 20))
+                b.wait_ready()
+                _assert_pulled(b)
+                assert _answers(b) == expected
+                log = b.log_text()
+    with _client(server) as client:
+        rec_c = client.get_transfer(result.transfer_id)
+        rec_b = client.get_transfer(rec_b.id)
+    assert rec_b.relay_path == (f"s:{source_id}",), rec_b.relay_path  # a holder
+    assert rec_c.relay_path == (f"t:{rec_b.id}", f"s:{source_id}"), rec_c.relay_path
+    assert rec_b.state == rec_c.state == "SUCCEEDED"
+    assert result.verified and result.bytes == total  # every tensor checked: A's digests
+    withdrawn = log.find(f"relay of transfer {rec_b.id} withdrawn")
+    # withdrawn inside pull(), which returns before the loader post-processes
+    assert 0 <= withdrawn < log.find("loaded from peer"), b.log_tail()

@@ -29,6 +29,9 @@ PULL_SETTINGS = {
     "MX_REFUSE_SLOW_TRANSPORT": ("1", "refuse_slow_transport", True),
     "MX_TRANSFER_MAX_GBPS": ("3.5", "max_gbps", 3.5),
     "MX_NIXL_BACKEND": ("LIBFABRIC", "backend", "LIBFABRIC"),
+    "MX_RELAY_CHUNK_BYTES": (str(1 << 20), "relay_chunk_bytes", 1 << 20),
+    "MX_RELAY_LINGER_S": ("2.5", "relay_linger_s", 2.5),
+    "MX_HEARTBEAT_INTERVAL_S": ("1.5", "heartbeat_interval_s", 1.5),
 }
 
 
@@ -106,3 +109,17 @@ def test_the_loader_options_carry_the_settings_and_their_own_keys(
     assert pull is not None
     assert (pull.timeout_s, pull.verify) == (42.0, False)
     assert pull.refuse_slow_transport is True and pull.chunk_bytes == 8 << 20
+
+
+def test_engines_relay_as_mx_relay_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vLLM loader's pull reads through and serves as a fleet relay by default
+    (engines that start together), and neither with ``MX_RELAY=0``."""
+    from modelexpress.engines.vllm.options import LoaderOptions
+
+    on = LoaderOptions.from_extra_config({}, MxSettings(server_url="http://127.0.0.1:1"))
+    assert on.pull_options is not None
+    assert (on.pull_options.relay_read, on.pull_options.relay_serve) == (True, True)
+    monkeypatch.setenv("MX_RELAY", "0")
+    off = LoaderOptions.from_extra_config({}, MxSettings(server_url="http://127.0.0.1:1"))
+    assert off.pull_options is not None
+    assert (off.pull_options.relay_read, off.pull_options.relay_serve) == (False, False)

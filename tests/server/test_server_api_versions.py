@@ -180,6 +180,10 @@ def test_a_new_client_works_with_the_old_server_leaving_out_what_it_lacks(
                                  outcome={"transport": "tcp", "rate_bps": 1e6, "verdict": "ok"})
         assert done.state == "SUCCEEDED" and done.outcome is not None
         assert [s.id for s in c.rank_sources(ident)] == [src.id]
+        # what a relaying engine's pull asks for (API version 3) is left out: no relay
+        relayed = c.start_transfer(ident, "target-2", run_by_target=True, relay_read=True,
+                                   relay_serve=True)
+        assert relayed.candidates == (src.id,) and relayed.relay_path == ()
 
 
 def test_a_request_the_old_server_refuses_is_one_line_naming_both_versions(

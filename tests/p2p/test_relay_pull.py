@@ -1,0 +1,126 @@
+"""Pulls that relay (``relay_serve``: what the vLLM loader does): engines started together.
+
+A real server and source (``modelexpress publish``) and two library pulls in this
+process over NIXL (the local transport off). The first is rate-capped so that it is
+still receiving when the second starts, the second more so, so that it is still
+reading when the first has everything; the server plans the second behind it, the
+second reads each piece as the first verifies it, and the first keeps serving until
+the second is done, then withdraws before its ``pull()`` returns (the caller, an
+engine, post-processes the memory after that).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import MODEL, Cluster
+from modelexpress.checkpoint import load_checkpoint, real_model_checkpoint
+from modelexpress.errors import NotFoundError
+from modelexpress.identity import ModelIdentity
+from modelexpress.p2p.options import PullOptions
+from modelexpress.p2p.relay import relay_source_id, relay_worker_id
+from modelexpress.p2p.target import pull
+from modelexpress.settings import MxSettings
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+
+def _options(**changes: Any) -> PullOptions:
+    return PullOptions.from_settings(MxSettings(ipc_dir="off"), relay_read=True,
+                                     relay_serve=True, relay_chunk_bytes=2 << 20,
+                                     heartbeat_interval_s=1.0, **changes)
+
+
+def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdraws(
+        patient_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="modelexpress.p2p.relay_pull")
+    cluster = patient_cluster
+    _, published = cluster.source()
+    ident = ModelIdentity(model=MODEL, dtype="float32")
+    first: dict[str, Any] = {"dest": {}}
+
+    def run_first() -> None:
+        try:
+            first["result"] = pull(ident, client=cluster.client,
+                                   on_destination=first["dest"].update,
+                                   options=_options(max_gbps=0.03, worker_id="engine-a",
+                                                    relay_linger_s=60.0))
+            # what the second pull's record says the moment the first returned
+            first["second_then"] = (cluster.client.get_transfer(second["id"]).state
+                                    if "id" in second else None)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            first["error"] = exc
+
+    second: dict[str, Any] = {}
+    th = threading.Thread(target=run_first, name="first-pull")
+    th.start()
+    try:
+        # the first pull's record, once it has verified its first piece
+        rec1 = cluster.wait_for(
+            lambda: next((t for t in cluster.client.list_transfers(identity=ident.id)
+                          if t.target_worker == "engine-a" and t.bytes_done > 0), None),
+            "the first pull's first verified piece")
+        got: dict[str, torch.Tensor] = {}
+        result = pull(ident, client=cluster.client, on_destination=got.update,
+                      # slower than the first: still reading from it when it is done
+                      options=_options(max_gbps=0.02, worker_id="engine-b"))
+        second["id"] = result.transfer_id
+    finally:
+        th.join(240)
+    assert not th.is_alive() and "error" not in first, first.get("error")
+    rec1 = cluster.client.get_transfer(rec1.id)
+    rec2 = cluster.client.get_transfer(second["id"])
+    origin = f"s:{published['source_id']}"
+    assert rec1.relay_path == (origin,), rec1.relay_path  # a holder, reading the origin
+    assert rec2.relay_path == (f"t:{rec1.id}", origin), rec2.relay_path
+    assert rec1.state == rec2.state == "SUCCEEDED"
+    assert result.verified
+    read_through = [r.getMessage() for r in caplog.records
+                    if r.name == "modelexpress.p2p.relay_pull" and "read through" in r.getMessage()]
+    assert any(f"t:{rec1.id}" in m for m in read_through), read_through  # bytes came from it
+    # the first served the second to its end: its pull returned after the second's did
+    assert first["second_then"] == "SUCCEEDED", first
+    # ...and withdrew before returning: its relay source is gone, and so is the second's
+    deadline = time.monotonic() + 10
+    for rec in (rec1, rec2):
+        sid = relay_source_id(ident.id, relay_worker_id(rec.target_worker, rec.id))
+        while True:
+            try:
+                cluster.client.get_source(sid)
+            except NotFoundError:
+                break
+            assert time.monotonic() < deadline, f"relay source {sid} still published"
+            time.sleep(0.1)
+    ref = load_checkpoint(real_model_checkpoint())
+    for dest in (first["dest"], got):
+        assert dest.keys() == ref.keys()
+        for name, t in ref.items():
+            assert torch.equal(dest[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_a_relaying_pull_with_nobody_behind_it_returns_without_lingering(
+        patient_cluster: Cluster) -> None:
+    """Alone, a holder pull reads the origin through its relay reader and withdraws at
+    once (no reader to wait for): every byte right, no relay source left."""
+    cluster = patient_cluster
+    _, published = cluster.source()
+    ident = ModelIdentity(model=MODEL, dtype="float32")
+    got: dict[str, torch.Tensor] = {}
+    result = pull(ident, client=cluster.client, on_destination=got.update,
+                  options=_options(worker_id="engine-alone", relay_linger_s=120.0))
+    rec = cluster.client.get_transfer(result.transfer_id)
+    assert rec.relay_path == (f"s:{published['source_id']}",) and rec.state == "SUCCEEDED"
+    # no linger: the phases add up to the pull, and nothing waited 120 s
+    assert result.total_seconds < 120, result.total_seconds
+    sid = relay_source_id(ident.id, relay_worker_id(rec.target_worker, rec.id))
+    with pytest.raises(NotFoundError):
+        cluster.client.get_source(sid)
+    ref = load_checkpoint(real_model_checkpoint())
+    assert all(torch.equal(got[n].view(torch.uint8), t.view(torch.uint8))
+               for n, t in ref.items())
