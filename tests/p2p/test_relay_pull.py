@@ -12,6 +12,7 @@ engine, post-processes the memory after that).
 from __future__ import annotations
 
 import logging
+import pathlib
 import threading
 import time
 from typing import Any
@@ -20,7 +21,8 @@ import pytest
 import torch
 
 from conftest import MODEL, Cluster
-from modelexpress.checkpoint import load_checkpoint, real_model_checkpoint
+from modelexpress.checkpoint import (LlamaShape, generate_llama_checkpoint, load_checkpoint,
+                                     real_model_checkpoint)
 from modelexpress.errors import NotFoundError
 from modelexpress.identity import ModelIdentity
 from modelexpress.p2p.options import PullOptions
@@ -30,6 +32,8 @@ from modelexpress.settings import MxSettings
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
+_SHAPE = LlamaShape(hidden=1024, intermediate=2048, heads=8, kv_heads=4, vocab=8000, layers=2)
+
 
 def _options(**changes: Any) -> PullOptions:
     return PullOptions.from_settings(MxSettings(ipc_dir="off"), relay_read=True,
@@ -37,12 +41,19 @@ def _options(**changes: Any) -> PullOptions:
                                      heartbeat_interval_s=1.0, **changes)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdraws(
-        patient_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+        patient_cluster: Cluster, caplog: pytest.LogCaptureFixture, device: str,
+        tmp_path: pathlib.Path) -> None:
+    """Host destinations, and GPU ones (the relay serves the first pull's GPU memory;
+    on one GPU both pulls are on it, which UCX reads over TCP: a correctness run). A
+    generated 71 MB checkpoint (the GPU machine has no real-model package)."""
     caplog.set_level(logging.INFO, logger="modelexpress.p2p.relay_pull")
     cluster = patient_cluster
-    _, published = cluster.source()
-    ident = ModelIdentity(model=MODEL, dtype="float32")
+    ckpt = tmp_path / "ckpt"
+    generate_llama_checkpoint(ckpt, _SHAPE, seed=3)
+    _, published = cluster.source(model="relay-pull", checkpoint=ckpt)
+    ident = ModelIdentity.from_dict(published["identity"])
     first: dict[str, Any] = {"dest": {}}
 
     def run_first() -> None:
@@ -50,7 +61,7 @@ def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdra
             first["result"] = pull(ident, client=cluster.client,
                                    on_destination=first["dest"].update,
                                    options=_options(max_gbps=0.03, worker_id="engine-a",
-                                                    relay_linger_s=60.0))
+                                                    relay_linger_s=60.0, device=device))
             # what the second pull's record says the moment the first returned
             first["second_then"] = (cluster.client.get_transfer(second["id"]).state
                                     if "id" in second else None)
@@ -69,7 +80,7 @@ def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdra
         got: dict[str, torch.Tensor] = {}
         result = pull(ident, client=cluster.client, on_destination=got.update,
                       # slower than the first: still reading from it when it is done
-                      options=_options(max_gbps=0.02, worker_id="engine-b"))
+                      options=_options(max_gbps=0.02, worker_id="engine-b", device=device))
         second["id"] = result.transfer_id
     finally:
         th.join(240)
@@ -97,11 +108,12 @@ def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdra
                 break
             assert time.monotonic() < deadline, f"relay source {sid} still published"
             time.sleep(0.1)
-    ref = load_checkpoint(real_model_checkpoint())
+    ref = load_checkpoint(ckpt)
     for dest in (first["dest"], got):
         assert dest.keys() == ref.keys()
         for name, t in ref.items():
-            assert torch.equal(dest[name].view(torch.uint8), t.view(torch.uint8)), name
+            assert str(dest[name].device) == device, (name, dest[name].device)
+            assert torch.equal(dest[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
 
 
 def test_a_relaying_pull_with_nobody_behind_it_returns_without_lingering(
