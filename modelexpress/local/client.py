@@ -474,11 +474,12 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
         kinds[s.kind] = kinds.get(s.kind, 0) + 1
     seconds = time.monotonic() - t0
     gbps = total / phases["copy"] / 1e9 if phases.get("copy") else 0.0
+    # ORDER: the parenthesis first, as bench/vllm_engine.py's _LOCAL_READ_RE reads it.
     log.info("local pull from %s: %d bytes, %d tensors, %d copies in %.3f s (connect+map "
-             "%.3f s, copy %.3f s at %.1f GB/s, %d bytes from the page cache of its checkpoint "
-             "file, digests %.3f s)", session.peer, total, len(pairs), n_copies, seconds,
-             phases.get("connect+map", 0.0), phases.get("copy", 0.0), gbps, page_cache_bytes,
-             phases.get("verify", 0.0))
+             "%.3f s, copy %.3f s at %.1f GB/s, digests %.3f s); %d bytes from the page cache "
+             "of the source's checkpoint file", session.peer, total, len(pairs), n_copies,
+             seconds, phases.get("connect+map", 0.0), phases.get("copy", 0.0), gbps,
+             phases.get("verify", 0.0), page_cache_bytes)
     return LocalPullResult(transport=TRANSPORT, nbytes=total, tensors=len(pairs), copies=n_copies,
                            segments=kinds, seconds=seconds, gbps=gbps, verified=verified,
                            phases=phases, page_cache_bytes=page_cache_bytes)
