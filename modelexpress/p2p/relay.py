@@ -73,7 +73,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from modelexpress.errors import (IntegrityError, MxError, NotFoundError, PeerError,
+from modelexpress.errors import (ConfigError, IntegrityError, MxError, NotFoundError, PeerError,
                                  TransferCancelledError, TransferError, TransferTimeoutError,
                                  TransportError)
 from modelexpress.p2p.relay_plan import parse_ref, tensor_chunks
@@ -694,9 +694,11 @@ class RelayReader:
                     pieces.forget_unverified()  # a tensor whose pieces did not all land
                     if at == len(self.path) - 1:
                         # The origin, last: a stalled or dropped READ is tried again (the
-                        # deadline bounds it); a digest or transport refusal is final.
-                        if (origin_retries <= 0 or isinstance(exc, IntegrityError)
-                                or isinstance(exc, TransportError)):
+                        # deadline bounds it); a digest or transport refusal, or one
+                        # this side cannot do (a digest it cannot compute), is final.
+                        if (origin_retries <= 0
+                                or isinstance(exc, (IntegrityError, TransportError,
+                                                    ConfigError))):
                             raise
                         origin_retries -= 1
                         log.warning("relay: reading the origin %s again (%d of %d bytes "

@@ -52,7 +52,11 @@ def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdra
     cluster = patient_cluster
     ckpt = tmp_path / "ckpt"
     generate_llama_checkpoint(ckpt, _SHAPE, seed=3)
-    _, published = cluster.source(model="relay-pull", checkpoint=ckpt)
+    # A GPU origin for GPU destinations: its digests (wsum-i32-v1) are computed where
+    # the bytes land; a host origin's xxh3 is CPU-only.
+    published = cluster.start(["publish", str(ckpt), "--model", "relay-pull", "--json",
+                               "--worker-id", "origin-1", "--device", device],
+                              "origin").json_line()
     ident = ModelIdentity.from_dict(published["identity"])
     first: dict[str, Any] = {"dest": {}}
 
