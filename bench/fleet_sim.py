@@ -7,7 +7,8 @@ the holders a claim would see); what is modelled is the data plane:
   order; each link ``--link`` Mbit/s each way (the origin's ``--origin-link``);
 * a model of ``--bytes`` in ``K = bytes / --chunk`` chunks; a target reads its chunks
   in order from its upstream, a chunk only once the upstream holds it and has
-  advertised it (``--advert-ms`` after it landed: the progress report and the poll);
+  advertised it (``--advert-ms`` after it landed: one hop's lag, whatever it is made
+  of; calibrated against bench/cluster.py, docs/benchmarks.md "Fleet relay");
 * a holder's uplink is shared equally by the chunks being read from it, and a
   target's downlink caps its read; each chunk read costs ``--chunk-overhead-ms``
   (request, connect, digest) before its bytes flow;
