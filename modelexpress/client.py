@@ -427,8 +427,10 @@ class MxClient(ClosedOnCollect):
         def for_version(version: int) -> dict[str, Any]:
             return {**body, **relay} if version >= 3 else body
 
+        # Only a body that depends on the version asks the replica's version first
+        # (GET /v1/health, once per replica).
         return _reply(TransferInfo, self._request(
-            "POST", "/v1/transfers", idempotent=False, json=for_version))
+            "POST", "/v1/transfers", idempotent=False, json=for_version if relay else body))
 
     def rank_sources(self, identity: ModelIdentity | str, *,
                      policy: Literal["random", "spread"] | None = None,
