@@ -221,8 +221,11 @@ class MxClient(ClosedOnCollect):
                 i = (start + k) % n
                 url = self.base_urls[i]
                 attempts += 1
+                sent = False  # whether this request itself may have reached the server
                 try:
+                    # (the version is asked with a GET of its own: safe to repeat)
                     body = json(self._version_at(url, timeout)) if callable(json) else json
+                    sent = True
                     resp = self._http.request(method, url + path, json=body, params=params,
                                               timeout=timeout)
                     self._learn_version(url, resp)
@@ -231,7 +234,7 @@ class MxClient(ClosedOnCollect):
                     last_resp = None
                     # ConnectError: nothing reached the server, always safe to repeat
                     # (there or on another replica). Anything else may have reached it.
-                    if not (isinstance(exc, httpx.ConnectError) or idempotent):
+                    if sent and not (isinstance(exc, httpx.ConnectError) or idempotent):
                         raise ServerUnavailableError(
                             f"{method} {url}{path} failed after {attempts} attempt(s) (not "
                             f"repeated: it may have reached the server): "

@@ -74,8 +74,8 @@ import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from modelexpress.errors import (ConfigError, IntegrityError, MxError, NotFoundError, PeerError,
-                                 TransferCancelledError, TransferError, TransferTimeoutError,
-                                 TransportError)
+                                 ServerUnavailableError, TransferCancelledError, TransferError,
+                                 TransferTimeoutError, TransportError)
 from modelexpress.p2p.relay_plan import parse_ref, tensor_chunks
 
 if TYPE_CHECKING:
@@ -98,8 +98,8 @@ _STILL_WAITING_EVERY_S = 10.0
 _ORIGIN_RETRIES = 2      # READs of the origin (last on every path) that may fail and be retried
 _WORD_POLL_MIN_S = 0.0002   # watermark word: first wait after a poll that found nothing new
 _WORD_POLL_MAX_S = 0.005    # ...doubling to this while the upstream has nothing new
-_WORD_DEADLINE_S = 5.0
-_ADVERT_EVERY_S = 0.1       # the least time between two pushes of bytes_done      # one watermark READ (or MX_TRANSFER_STALL_S when shorter)
+_WORD_DEADLINE_S = 5.0      # one watermark READ (or MX_TRANSFER_STALL_S when shorter)
+_ADVERT_EVERY_S = 0.1       # the least time between two pushes of bytes_done
 
 WATERMARK_ATTRIBUTE = "relay_watermark"  # manifest attribute: {"addr": int, "bytes": 16}
 _WORD_BYTES = 16
@@ -508,7 +508,15 @@ class RelayReader:
         now = time.monotonic()
         mark = h.mark
         if h.word is None or now - h.polled > _STATE_EVERY_S:
-            mark = max(mark, self._record_mark(h, total, now))
+            try:
+                mark = max(mark, self._record_mark(h, total, now))
+            except ServerUnavailableError as exc:
+                if h.word is None:
+                    raise
+                # The word is the watermark; the record is only its state: a control
+                # plane that does not answer now is no reason to leave a live relay.
+                log.warning("relay: %s's record unreadable (%s); following its word",
+                            h.ref, exc)
         if h.word is not None and mark < total:
             mark = max(mark, self._word_mark(h, total))
         if mark > h.mark:
@@ -529,6 +537,11 @@ class RelayReader:
             except NotFoundError:
                 if t.state == "SUCCEEDED" or h.info is not None:
                     raise PeerError(f"its relay source {sid} is gone") from None
+                if t.bytes_done > 0:
+                    # A relay is published before its first byte lands: one receiving
+                    # without it failed to start serving (it reads only).
+                    raise PeerError(f"it is receiving but published no relay source {sid}"
+                                    ) from None
                 return 0  # not published yet
             if info.state == "STALE":
                 raise PeerError(f"its relay source {sid} is STALE (the agent died or withdrew)")
@@ -611,8 +624,10 @@ class RelayReader:
         def advanced(mark: int) -> None:
             state["mark"] = mark
             # ORDER: ``mark`` comes from _Pieces only after every piece below it landed
-            # (its READ completed) and every tensor below it was verified; the word is
-            # written after that, never before, and nothing writes below it again.
+            # (its READ completed) and every tensor that ends below it was verified (of
+            # the tensor in progress, only landed pieces, which readers verify themselves
+            # once whole); the word is written after that, never before. Below it only a
+            # failed tensor's pieces are written again, with the origin's bytes.
             if self.publish is not None:
                 self.publish(mark)
             if adv is not None:

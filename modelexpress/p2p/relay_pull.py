@@ -55,7 +55,11 @@ __all__ = ["RelayedPull", "relay_factory", "wait_unread"]
 log = logging.getLogger(__name__)
 
 _LIVE = ("PENDING", "RUNNING", "STOPPING")
+# An engine waits on this before it post-processes: first polls quick, then fewer (each
+# lists the model's transfers on the server).
 _UNREAD_POLL_S = 0.05
+_UNREAD_POLL_MAX_S = 0.5
+_STILL_WAITING_EVERY_S = 10.0
 
 
 def wait_unread(client: "MxClient", transfer_id: str, identity_id: str, *,
@@ -70,18 +74,25 @@ def wait_unread(client: "MxClient", transfer_id: str, identity_id: str, *,
         MxError: the control plane could not list the transfers.
     """
     ref = f"t:{transfer_id}"
-    end = time.monotonic() + timeout_s
+    start = time.monotonic()
+    end, said, nap = start + timeout_s, start, _UNREAD_POLL_S
     while True:
         readers = [t.id for t in client.list_transfers(identity=identity_id)
                    if t.relay_path[:1] == (ref,) and t.state in _LIVE]
         if not readers:
             return True
-        if closed() or time.monotonic() >= end:
+        now = time.monotonic()
+        if closed() or now >= end:
             log.info("relay of transfer %s: %d transfers still read from it after %.1f s "
                      "(%s); withdrawing (they read the rest from the next holder)",
-                     transfer_id, len(readers), timeout_s, ", ".join(readers[:4]))
+                     transfer_id, len(readers), now - start, ", ".join(readers[:4]))
             return False
-        time.sleep(_UNREAD_POLL_S)
+        if now - said >= _STILL_WAITING_EVERY_S:
+            said = now
+            log.info("relay of transfer %s: still serving %d transfers after %.0f s (at most "
+                     "%.0f s)", transfer_id, len(readers), now - start, timeout_s)
+        time.sleep(min(nap, max(end - now, 0.0)))
+        nap = min(nap * 2, _UNREAD_POLL_MAX_S)
 
 
 class RelayedPull:

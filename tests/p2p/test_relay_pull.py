@@ -62,7 +62,7 @@ def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdra
 
     def run_first() -> None:
         try:
-            first["result"] = pull(ident, client=cluster.client,
+            first["result"] = pull(ident, client=cluster.client, stop=stop_first,
                                    on_destination=first["dest"].update,
                                    options=_options(max_gbps=0.03, worker_id="engine-a",
                                                     relay_linger_s=60.0, device=device))
@@ -73,6 +73,7 @@ def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdra
             first["error"] = exc
 
     second: dict[str, Any] = {}
+    stop_first = threading.Event()  # set only if the test fails first: no pull outlives it
     th = threading.Thread(target=run_first, name="first-pull")
     th.start()
     try:
@@ -86,6 +87,9 @@ def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdra
                       # slower than the first: still reading from it when it is done
                       options=_options(max_gbps=0.02, worker_id="engine-b", device=device))
         second["id"] = result.transfer_id
+    except BaseException:
+        stop_first.set()
+        raise
     finally:
         th.join(240)
     assert not th.is_alive() and "error" not in first, first.get("error")
@@ -121,9 +125,10 @@ def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdra
 
 
 def test_a_relaying_pull_with_nobody_behind_it_returns_without_lingering(
-        patient_cluster: Cluster) -> None:
+        patient_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
     """Alone, a holder pull reads the origin through its relay reader and withdraws at
     once (no reader to wait for): every byte right, no relay source left."""
+    caplog.set_level(logging.INFO, logger="modelexpress.p2p.relay_pull")
     cluster = patient_cluster
     _, published = cluster.source()
     ident = ModelIdentity(model=MODEL, dtype="float32")
@@ -132,11 +137,47 @@ def test_a_relaying_pull_with_nobody_behind_it_returns_without_lingering(
                   options=_options(worker_id="engine-alone", relay_linger_s=120.0))
     rec = cluster.client.get_transfer(result.transfer_id)
     assert rec.relay_path == (f"s:{published['source_id']}",) and rec.state == "SUCCEEDED"
-    # no linger: the phases add up to the pull, and nothing waited 120 s
-    assert result.total_seconds < 120, result.total_seconds
+    # no linger: it found no reader (wait_unread says so only when the linger ran out)
+    said = [r.getMessage() for r in caplog.records if r.name == "modelexpress.p2p.relay_pull"]
+    assert any(f"relay of transfer {rec.id} withdrawn" in m for m in said), said
+    assert not any("still read from it" in m for m in said), said
     sid = relay_source_id(ident.id, relay_worker_id(rec.target_worker, rec.id))
     with pytest.raises(NotFoundError):
         cluster.client.get_source(sid)
     ref = load_checkpoint(real_model_checkpoint())
     assert all(torch.equal(got[n].view(torch.uint8), t.view(torch.uint8))
                for n, t in ref.items())
+
+
+def test_a_holder_that_publishes_no_relay_source_is_left_at_once(
+        patient_cluster: Cluster, caplog: pytest.LogCaptureFixture, tmp_path: pathlib.Path
+        ) -> None:
+    """A holder pull whose relay source could not start (it reads only, but the server
+    planned it as a holder) is receiving without a relay source: a pull planned behind
+    it leaves it as soon as it sees that, not after twice the stall time, and reads the
+    origin. The holder here is a bare record: created as a relaying pull, reporting
+    progress, never publishing."""
+    caplog.set_level(logging.WARNING, logger="modelexpress.p2p.relay")
+    cluster = patient_cluster
+    ckpt = tmp_path / "ckpt"
+    generate_llama_checkpoint(ckpt, _SHAPE, seed=4)
+    published = cluster.start(["publish", str(ckpt), "--model", "relay-ghost", "--json",
+                               "--worker-id", "origin-1"], "origin").json_line()
+    ident = ModelIdentity.from_dict(published["identity"])
+    ghost = cluster.client.start_transfer(ident, "ghost", run_by_target=True,
+                                          relay_read=True, relay_serve=True)
+    total = sum(int(t.nbytes) for t in load_checkpoint(ckpt).values())
+    cluster.client.report_progress(ghost.id, 1 << 20, total)
+    got: dict[str, torch.Tensor] = {}
+    # stall 600 s, deadline 60 s: waiting for the ghost's stall would time the pull out
+    result = pull(ident, client=cluster.client, on_destination=got.update,
+                  options=PullOptions.from_settings(MxSettings(ipc_dir="off"), relay_read=True,
+                                                    stall_s=600.0, timeout_s=60.0))
+    rec = cluster.client.get_transfer(result.transfer_id)
+    assert rec.relay_path == (f"t:{ghost.id}", f"s:{published['source_id']}"), rec.relay_path
+    assert rec.state == "SUCCEEDED" and result.verified
+    assert any("published no relay source" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records]
+    ref = load_checkpoint(ckpt)
+    assert all(torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)) for n, t in ref.items())
+    cluster.client.finish_transfer(ghost.id, "FAILED", bytes_done=1 << 20, error="test ghost")

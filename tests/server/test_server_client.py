@@ -108,6 +108,21 @@ def test_start_transfer_is_never_repeated(scripted: Scripted) -> None:
     assert len(scripted.seen) == 2
 
 
+def test_a_version_check_that_times_out_is_retried_and_the_start_sent_once(
+        scripted: Scripted) -> None:
+    """A start whose body depends on the server's API version (relay fields) asks it
+    first (GET /v1/health); that GET timing out sent nothing of the start, so it is
+    retried like any GET and the start goes out once."""
+    scripted.script["/v1/health"] = [(200, {"status": "ok", "store": "x"}, 2.0),
+                                     (200, {"status": "ok", "store": "x"}, 0.0)]
+    scripted.script["/v1/transfers"] = [(201, _TRANSFER, 0.0)]
+    with MxClient(scripted.url, timeout_s=0.5, retries=2) as c:
+        t = c.start_transfer("0" * 32, "agent", run_by_target=True, relay_read=True)
+    assert t.id == "t1"
+    assert scripted.seen.count(("GET", "/v1/health")) == 2
+    assert scripted.seen.count(("POST", "/v1/transfers")) == 1
+
+
 def test_progress_retries_after_a_read_timeout(scripted: Scripted) -> None:
     path = "/v1/transfers/t1/progress"
     scripted.script[path] = [(200, {"transfer": _TRANSFER, "stop": False}, 2.0),
