@@ -52,3 +52,11 @@ def test_shm_arena_ab_runs_all_three_paths_and_reports_the_control() -> None:
     assert out["max_single_copy_over_memcpy_2r"] > 0 and out["max_over_memcpy_2r"] > 0
     assert {"ours_over_1_25_2r", "single_copy_over_1_25_2r"} <= out.keys()
     assert len(out["quiet_wait_2r_ms_median_max"]) == 2
+
+
+@pytest.mark.nixl
+def test_relay_holder_bench_times_both_kinds_of_pull() -> None:
+    out = _run("relay_holder.py", "--quick")
+    assert out["bytes"] == 8 << 20 and out["rounds"] == 2
+    assert len(out["all_s"]["plain"]) == len(out["all_s"]["holder"]) == 2
+    assert out["plain_s"] > 0 and out["holder_s"] > 0 and out["holder_over_plain"] > 0

@@ -20,8 +20,11 @@ Two kinds of relayed pull::
       failure:    withdraw at once (close)
 
 A pull whose origin is on its own host (its local endpoint, ``MX_IPC_DIR``) reads it
-through the local transport even when the planner put a relay first on its path: a
-relay spares the origin's uplink, and a same-host copy uses none.
+through the local transport even when the planner put a relay first on its path, and
+relays to nobody: a relay spares the origin's uplink, and a same-host copy uses none
+(nor does it pay for a relay source of its own on the critical path: an engine's
+load). A reader the planner put behind it leaves it at once (it is receiving without a
+relay source: :class:`~modelexpress.p2p.relay.RelayReader`).
 
 Why a holder withdraws before :func:`~modelexpress.p2p.pull` returns, where an agent's
 relay may become its READY fan-out source: a pull's caller owns the destination
@@ -142,16 +145,8 @@ class RelayedPull:
             except MxError as exc:
                 log.warning("transfer %s: not relaying (reading only): %s", transfer_id, exc)
         server = self.server
-        path = self.path
-        if len(path) > 1 and self.local is not None and self.local(self.info,
-                                                                   self.manifest) is not None:
-            # The origin is on this host: a copy from its memory crosses no NIC, and a
-            # relay exists to spare the origin's uplink; read it (and still serve).
-            log.info("pull of %s: the origin is on this host; reading it through the local "
-                     "transport, not through %s", self.identity.model, path[0])
-            path = path[-1:]
         reader = RelayReader(self.client, self.manager(dest), self.info, self.manifest,
-                             path, identity_id=self.identity.id,
+                             self.path, identity_id=self.identity.id,
                              chunk_bytes=self.opts.relay_chunk_bytes,
                              stall_s=self.opts.stall_s, verify=self.opts.verify,
                              refuse_slow_transport=self.opts.refuse_slow_transport,
@@ -214,7 +209,19 @@ def relay_factory(client: "MxClient", record: "TransferInfo | None",
 
     assert record is not None
     serve_as = (record.target_worker, record.id) if holder else None
-    return lambda info, manifest: (
-        RelayedPull(client, info, manifest, path, identity, opts, manager,
-                    serve_as=serve_as, advertise=advertise, local=local)
-        if source_ref(info.id) == path[-1] else None)
+
+    def factory(info: "SourceInfo", manifest: "Manifest") -> "RelayedPull | None":
+        if source_ref(info.id) != path[-1]:
+            return None
+        if local is not None and local(info, manifest) is not None:
+            # The origin is on this host: read it as any same-host source (module
+            # docstring), and serve nobody: a reader planned behind this pull sees it
+            # receiving without a relay source and leaves it at once.
+            log.info("pull of %s: the origin is on this host; reading it through the "
+                     "local transport%s", identity.model,
+                     f", not through {path[0]}" if len(path) > 1 else " (not relaying)")
+            return None
+        return RelayedPull(client, info, manifest, path, identity, opts, manager,
+                           serve_as=serve_as, advertise=advertise, local=local)
+
+    return factory

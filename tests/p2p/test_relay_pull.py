@@ -181,3 +181,26 @@ def test_a_holder_that_publishes_no_relay_source_is_left_at_once(
     ref = load_checkpoint(ckpt)
     assert all(torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)) for n, t in ref.items())
     cluster.client.finish_transfer(ghost.id, "FAILED", bytes_done=1 << 20, error="test ghost")
+
+
+def test_a_relaying_pull_of_an_origin_on_its_own_host_copies_it_and_serves_nobody(
+        patient_cluster: Cluster) -> None:
+    """The origin publishes a local endpoint on this host: a holder pull (an engine's)
+    copies it through the local transport and publishes no relay source (a same-host
+    copy uses no uplink a relay could spare, and the relay source would cost the engine
+    its load time)."""
+    cluster = patient_cluster
+    _, published = cluster.source()
+    ident = ModelIdentity(model=MODEL, dtype="float32")
+    got: dict[str, torch.Tensor] = {}
+    result = pull(ident, client=cluster.client, on_destination=got.update,
+                  options=PullOptions.from_settings(MxSettings(ipc_dir=cluster.ipc_dir),
+                                                    relay_read=True, relay_serve=True))
+    rec = cluster.client.get_transfer(result.transfer_id)
+    assert rec.relay_path == (f"s:{published['source_id']}",)  # planned as a holder...
+    assert result.transport == "local", result.transport  # ...read as a same-host source
+    sid = relay_source_id(ident.id, relay_worker_id(rec.target_worker, rec.id))
+    with pytest.raises(NotFoundError):
+        cluster.client.get_source(sid)  # ...and never published as a relay
+    ref = load_checkpoint(real_model_checkpoint())
+    assert all(torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)) for n, t in ref.items())
