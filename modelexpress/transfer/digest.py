@@ -221,10 +221,10 @@ def _cuda_ready(index: int) -> bool:
     the refusal logged once) where the driver cannot load it here."""
     global _cuda_refused
     from modelexpress.transfer import _wsum_cuda
-    if _wsum_cuda.is_loaded(index):
-        return True
     if _cuda_refused is not None:
         return False
+    if _wsum_cuda.is_loaded(index):
+        return True
     try:
         _wsum_cuda.load(index)
         return True
@@ -237,11 +237,20 @@ def _cuda_ready(index: int) -> bool:
 
 def _cuda_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]] | None:
     """(a, b) of each tensor by the shipped kernel, or None where it cannot run."""
+    global _cuda_refused
     index = _device_index(raws[0].device)
     if index is None or not _cuda_ready(index):
         return None
     from modelexpress.transfer import _wsum_cuda
-    return _wsum_cuda.wsum_batch(raws)
+    try:
+        return _wsum_cuda.wsum_batch(raws)
+    except BackendError as exc:
+        # A launch or copy-back the driver refused: the same digest from the other forms
+        # (the caller falls through to them), and the shipped kernel is not tried again.
+        _cuda_refused = f"it failed on {raws[0].device}: {exc}"
+        log.warning("%s digests on the GPU: the shipped kernel %s; using the Triton kernel "
+                    "once built, the torch form until then", WSUM, _cuda_refused)
+        return None
 
 
 _triton_broken: str | None = None  # why the Triton kernel is not used, once it failed
@@ -491,8 +500,9 @@ def _torch_pairs(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
 
 
 def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
-    """Tensors are grouped by device; each group costs one host synchronisation
-    (with a kernel: one launch per tensor into a shared buffer), not one per tensor."""
+    """Tensors are grouped by device; each group costs one host synchronisation, not
+    one per tensor (the shipped kernel: one launch per group; Triton: one launch per
+    tensor into a shared buffer)."""
     raws = [_aligned_bytes(t) for t in tensors]
     by_device: dict[object, list[int]] = {}
     for i, raw in enumerate(raws):
