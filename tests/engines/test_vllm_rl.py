@@ -164,3 +164,20 @@ def test_two_engines_switch_concurrently_and_answer_as_version_2_from_disk(
     assert _weight_version(e1) == _weight_version(e2) == "2"
     for engine in (e1, e2):
         assert "version 2: " in engine.log_text() and "pulled and verified" in engine.log_text()
+
+
+def test_a_bad_mx_value_stops_the_trainer_backend_with_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``mx`` trainer backend reads the environment through ``MxSettings.load()``:
+    a bad value is one line naming it (vLLM's 0.32+ weight-transfer API; no engine)."""
+    from modelexpress.errors import ConfigError
+    from modelexpress.rl.trainer import (FanOutClient, MxTrainerInitInfo,
+                                         MxTrainerWeightTransferEngine)
+
+    monkeypatch.setenv("MX_LOG_LEVEL", "LOUD")
+    with pytest.raises(ConfigError) as err:
+        MxTrainerWeightTransferEngine.trainer_init(
+            MxTrainerInitInfo(rank=0), client=FanOutClient([object()]), source=object())
+    message = str(err.value)
+    assert message.startswith("MX_LOG_LEVEL: 'LOUD' is not allowed; use one of DEBUG, INFO, "
+                              "WARNING, ERROR") and "\n" not in message, message
