@@ -75,3 +75,23 @@ def test_a_renamed_variable_still_works_with_a_warning_and_the_new_name_wins(
     monkeypatch.setenv("MX_ARENA_SINGLE_MR", "maybe")
     with pytest.raises(ConfigError, match=r"MX_ARENA_SINGLE_MR \(now MX_VMM_ARENA_SINGLE_MR\)"):
         MxSettings.load()
+
+
+def test_the_vllm_plugin_stops_on_a_bad_value_with_one_line() -> None:
+    """vLLM's plugin entry point reads the environment through ``MxSettings.load()``
+    before it imports anything of vLLM, so a bad value is one line naming it. A fresh
+    process: the plugin registers once per process."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("from modelexpress.errors import ConfigError\n"
+              "from modelexpress.engines.vllm.plugin import register\n"
+              "try:\n    register()\nexcept ConfigError as exc:\n    print(exc)\n"
+              "else:\n    print('registered')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, MX_LOG_LEVEL="LOUD"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip()
+    assert line.startswith("MX_LOG_LEVEL: 'LOUD' is not allowed; use one of DEBUG, INFO, "
+                           "WARNING, ERROR") and "\n" not in line, out.stdout
