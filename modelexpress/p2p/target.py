@@ -427,7 +427,6 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
     clock = _Clock()
     deadline = _Deadline(opts.timeout_s)
     nixl = _Nixl(manager, opts, clock)
-    factory = _compose(readers, _local_factory(opts))
     tracker = record
     own_record: TransferTracker | None = None
     relayed: list[RelayedPull] = []
@@ -440,9 +439,12 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
             tracker = tracker or own_record
             advertise = ((lambda done, total: own_record.report(done, total, force=True))
                          if own_record is not None else None)
-            factory = _compose(relay_factory(client, own_info, identity, opts, nixl.get,
-                                             advertise=advertise, local=_local_factory(opts)),
-                               factory)
+            # The caller's readers first, then a relayed reader of the origin (when the
+            # server planned this pull on a relay path), then the local transport.
+            local = _local_factory(opts)
+            factory = _compose(readers, _compose(
+                relay_factory(client, own_info, identity, opts, nixl.get,
+                              advertise=advertise, local=local), local))
             by_preference = ([i for i in opts.prefer if i in candidate_ids]
                              + [i for i in candidate_ids if i not in set(opts.prefer)])
             if not by_preference:
