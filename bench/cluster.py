@@ -39,7 +39,10 @@ Measured in one run, each against the link cap ``C`` (``--cap``, Mbit/s):
   chains them at claim time. ``last_s`` as above, ``vs_one = last_s / last_s(N=1)``
   (one target alone, same run, same links), ``origin_models``: bytes the origin's NIC
   sent over the model's size, ``links``: each host's (tx, rx) MB, ``paths``: each
-  transfer's ``relay_path`` length (1: read the origin). Agents write each finished
+  transfer's ``relay_path`` length (1: read the origin), ``claimed_s``/``finish_s``: when
+  each agent claimed and finished its transfer, ``cpu_busy``: the fraction of this
+  machine's CPUs busy while the N ran (every host shares them: near 1.0 the run
+  measures the CPU, not the links). Agents write each finished
   transfer out (``--out``) before they report it, so ``last_s`` includes a safetensors
   write per target, which this machine's one disk does N times over; ``--relay-no-out``
   keeps the transfers in memory (the finish is then the last verified byte).
@@ -76,6 +79,14 @@ _FINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU of this machine, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def _mbit(gbps: float) -> float:
@@ -265,6 +276,7 @@ def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.P
                   for h, aid in zip(hosts, ids)]
         fleet.wait_agents(ids)
         nic0 = {h.name: h.nic_bytes() for h in [origin, *hosts]}
+        cpu0 = _cpu_ticks()
         deadline = time.monotonic() + 600
         with fleet.client() as c:
             made = [c.start_transfer(identity, aid) for aid in ids]  # all at once
@@ -276,6 +288,7 @@ def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.P
                     raise TimeoutError(f"relay n={n} not done after 600 s")
                 time.sleep(0.05)
         nic1 = {h.name: h.nic_bytes() for h in [origin, *hosts]}
+        cpu1 = _cpu_ticks()
         for a in agents:
             a.stop()
         failed = [x for x in recs if x.state != "SUCCEEDED"]
@@ -289,7 +302,11 @@ def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.P
                "origin_models": round((nic1[origin.name][1] - nic0[origin.name][1]) / nbytes, 3),
                "links_tx_rx_mb": links,
                "paths": sorted(len(x.relay_path) for x in recs),
-               "finish_s": sorted(round((x.finished_at or 0.0) - first, 2) for x in recs)}
+               "finish_s": sorted(round((x.finished_at or 0.0) - first, 2) for x in recs),
+               "claimed_s": sorted(round((x.started_at or x.created_at) - first, 2)
+                                   for x in recs),
+               # the whole machine's CPUs (every host shares them) while the N ran
+               "cpu_busy": round((cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1), 3)}
         out[str(n)] = row
         _say(f"relay {model} n={n}: {row}")
     one = out["1"]["last_s"]

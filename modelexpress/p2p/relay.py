@@ -18,7 +18,13 @@ What a holder advertises is a **watermark**: a byte offset into the manifest-ord
 concatenation of the tensors, below which it holds every byte. A reader cuts the
 destination into pieces of at most ``MX_RELAY_CHUNK_BYTES`` (a large tensor is several
 pieces: an embedding that is half of a model must not stall a chain for half a model)
-and reads every piece below its holder's watermark in one NIXL READ.
+and streams them (:class:`~modelexpress.transfer.piece_stream.PieceStream`): each piece
+below its holder's watermark is posted as its own READ, at most two pieces' bytes in
+flight, and the reader keeps asking for the watermark while they move. A loop that read
+everything advertised and only then asked again kept each hop's lag from ever shrinking
+(a chain's links run at one rate) and added a round trip per batch. What remains per hop
+is about the window: the word's answer queues behind the pieces in flight on the
+holder's uplink, so a hop lags two pieces' time (0.1 s for 512 KiB at 100 Mbit/s).
 
 How the watermark travels: **peer to peer, one-sided**. A relay keeps it in a 16-byte
 word of host memory registered with its own NIXL agent (``mark``, ``mark ^ key``), whose
@@ -100,6 +106,10 @@ _WORD_POLL_MIN_S = 0.0002   # watermark word: first wait after a poll that found
 _WORD_POLL_MAX_S = 0.005    # ...doubling to this while the upstream has nothing new
 _WORD_DEADLINE_S = 5.0      # one watermark READ (or MX_TRANSFER_STALL_S when shorter)
 _ADVERT_EVERY_S = 0.1       # the least time between two pushes of bytes_done
+_WINDOW_PIECES = 2          # relayed pieces in flight: MX_RELAY_CHUNK_BYTES times this
+_NAP_MIN_S = 0.0001         # the reader's sleep when nothing landed or moved...
+_NAP_MAX_S = 0.001          # ...doubling to this, or to an eighth of a piece's time
+_NAP_CAP_S = 0.02           # ...but never more
 
 WATERMARK_ATTRIBUTE = "relay_watermark"  # manifest attribute: {"addr": int, "bytes": 16}
 _WORD_BYTES = 16
@@ -440,6 +450,7 @@ class _Holder:
         self.pieces: "Manifest | None" = None  # its manifest cut into _Pieces
         self.word: "RemoteWord | None" = None  # its watermark word, once connected
         self.wait_s = _WORD_POLL_MIN_S  # next sleep while it has nothing new
+        self.word_at = 0.0  # monotonic time of its next word READ (the stream's polls)
         self.opened = False  # a READ of its pieces completed on the current connection
 
 
@@ -578,6 +589,161 @@ class RelayReader:
             raise PeerError(f"its watermark word says {mark} of {total} bytes")
         return mark
 
+    def _mark_now(self, h: _Holder, total: int, gap_s: float = 0.0) -> int:
+        """``h``'s watermark without waiting on its word: the word's READ is posted and
+        picked up by later calls (again after ``gap_s`` while the holder advances,
+        backing off while it has nothing new); its record is read once a second, as in
+        :meth:`_watermark`."""
+        if h.kind == "source":
+            return total
+        now = time.monotonic()
+        if h.word is None or now - h.polled > _STATE_EVERY_S:
+            try:
+                mark = self._record_mark(h, total, now)
+                if mark > h.mark:
+                    h.mark, h.advanced = mark, now
+            except ServerUnavailableError as exc:
+                if h.word is None:
+                    raise
+                log.warning("relay: %s's record unreadable (%s); following its word",
+                            h.ref, exc)
+        word = h.word
+        if word is None or h.mark >= total:
+            return h.mark
+        if word.posted:
+            got = word.poll()  # PeerError: the READ failed or hung
+            if got is None:
+                return h.mark
+            mark, check = got[0], got[1]
+            if check == _check(mark):  # else caught mid-write: the next READ sees it whole
+                if mark == _WITHDRAWN:
+                    raise PeerError("it withdrew its relay source (its watermark word says so)")
+                if mark > total:
+                    raise PeerError(f"its watermark word says {mark} of {total} bytes")
+            if check == _check(mark) and mark > h.mark:
+                h.mark, h.advanced = mark, now
+                h.wait_s = _WORD_POLL_MIN_S
+                h.word_at = now + gap_s  # it moves: ask again soon
+            else:
+                h.word_at = now + max(h.wait_s, gap_s)
+                h.wait_s = min(2 * h.wait_s, _WORD_POLL_MAX_S)
+        if not word.posted and now >= h.word_at:
+            word.post(min(_WORD_DEADLINE_S, self.stall_s) if self.stall_s > 0
+                      else _WORD_DEADLINE_S)
+        return h.mark
+
+    def _stream(self, h: _Holder, pieces: _Pieces, stop: "StopSignal | None", end: float,
+                piece_done: Callable[[str], None], results: list["TransferResult"],
+                state: dict[str, int]) -> None:
+        """Read every piece still missing from holder ``h``, each posted as soon as ``h``
+        advertises it, at most a window of them in flight: the reader learns that its
+        holder advanced while earlier pieces still move, so its link does not idle
+        between batches. Returns when every tensor is verified; raises when ``h`` fails,
+        stalls, withdraws or stops advancing (the caller moves on to the next holder).
+        """
+        from modelexpress.transfer import TransferResult
+
+        total = pieces.total
+        # A relay is published (and connected to, off the pipeline) before it holds
+        # anything; until then only its record says where it is.
+        while h.peer is None:
+            if _stopped(stop):
+                raise TransferCancelledError("relayed READ stopped on request")
+            now = time.monotonic()
+            if now > end:
+                raise TransferTimeoutError(
+                    f"relayed READ ran out of time waiting for {h.ref} to publish its relay "
+                    f"source ({state['mark']} of {total} bytes verified)")
+            if h.kind == "source":
+                self._connect(h)
+                break
+            self._watermark(h, total)  # connects once its relay source is published
+            if h.peer is None:
+                if self.stall_s > 0 and now - h.advanced > 2 * self.stall_s:
+                    raise PeerError(f"it published no relay source for {2 * self.stall_s:g} s")
+                time.sleep(_POLL_S)  # each poll is an HTTP request to the server
+        assert h.manifest is not None and h.peer is not None
+        if h.pieces is None:
+            h.pieces = pieces.manifest_of(h.manifest)
+        window = _WINDOW_PIECES * self.chunk_bytes
+        last_log = time.monotonic()
+        with self.manager.open_stream(h.pieces, pieces.views, peer=h.peer,
+                                      refuse_slow_transport=self.refuse_slow_transport
+                                      ) as stream:
+            if not h.opened:  # one connect READ per connection, into a piece read again
+                first = next(k for k in pieces.keys if k not in pieces.got)
+                stream.connect(first, max(end - time.monotonic(), 1.0))
+                h.opened = True
+            log.info("relay: reading from %s (connected in %.3f s; it advertises %d of %d "
+                     "bytes)", h.ref, stream.connect_s, h.mark, total)
+            mark, landed_at, nap, full = -1, time.monotonic(), _NAP_MIN_S, False
+            # How long a piece takes to land while the link is busy (an average): the
+            # reader wakes a few times per piece, not every millisecond, and asks for
+            # the holder's word a few times per piece while pieces are in flight (each
+            # wake-up and READ costs CPU the host may share with its engine).
+            piece_s = 0.0
+            while not pieces.complete:
+                if _stopped(stop):
+                    raise TransferCancelledError(
+                        f"relayed READ stopped on request after {state['mark']} of {total} "
+                        "bytes; tensors not reported done are incomplete")
+                now = time.monotonic()
+                if now > end:
+                    raise TransferTimeoutError(
+                        f"relayed READ did not finish within the deadline: {state['mark']} of "
+                        f"{total} bytes verified")
+                moved = False
+                done = stream.poll()  # PeerError: the holder vanished
+                if done:
+                    # since the last landing, or since the post onto an idle link
+                    took = (now - landed_at) / len(done)
+                    piece_s = took if not piece_s else 0.8 * piece_s + 0.2 * took
+                for key in done:
+                    moved, landed_at = True, now
+                    if h.ref not in self.read_from:
+                        self.read_from.append(h.ref)
+                    piece_done(key)  # IntegrityError: its tensor is read again elsewhere
+                new = self._mark_now(h, total, piece_s / 4 if stream.inflight else 0.0)
+                if new > mark or (moved and full):
+                    mark, full = max(mark, new), False
+                    for key in pieces.below(mark):
+                        if key in stream.inflight:
+                            continue
+                        if stream.inflight_bytes >= window:
+                            full = True
+                            break
+                        if not stream.inflight:
+                            landed_at = now  # the stall clock runs while pieces are in flight
+                        stream.post(key)
+                        moved = True
+                if stream.inflight:
+                    if self.stall_s > 0 and now - landed_at > self.stall_s:
+                        raise PeerError(
+                            f"no piece landed for {self.stall_s:g} s (MX_TRANSFER_STALL_S): "
+                            "the link may be down or the holder hung")
+                elif h.kind == "transfer" and self.stall_s > 0 and (
+                        now - h.advanced > 2 * self.stall_s):
+                    raise PeerError(f"it advertised nothing new for {2 * self.stall_s:g} s")
+                elif now - last_log > _STILL_WAITING_EVERY_S:
+                    log.info("relay: still waiting for %s to advertise more than %d of %d "
+                             "bytes", h.ref, mark, total)
+                    last_log = now
+                if moved:
+                    nap = _NAP_MIN_S
+                else:
+                    time.sleep(nap)
+                    top = (min(max(piece_s / 8, _NAP_MAX_S), _NAP_CAP_S) if stream.inflight
+                           else 2 * _NAP_MAX_S)  # starved: its word is asked after a while
+                    nap = min(2 * nap, top)
+            seconds, verdict, warnings = stream.finish()
+            results.append(TransferResult(
+                bytes=stream.bytes, seconds=seconds, gbps=stream.bytes / seconds / 1e9,
+                descriptors=stream.pieces, chunks=stream.pieces, tensors=stream.pieces,
+                transport=verdict.transport, verdict=verdict, warnings=tuple(warnings),
+                verified=pieces.checked, verify_seconds=0.0, peer=h.peer,
+                connect_seconds=stream.connect_s, expected_transport=stream.expected,
+                transport_detail=stream.watch.facts().detail))
+
     def _check_manifest(self, h: _Holder, info: "SourceInfo") -> None:
         from modelexpress.p2p.target import manifest_of
 
@@ -649,7 +815,6 @@ class RelayReader:
         results: list["TransferResult"] = []
         at = 0
         origin_retries = _ORIGIN_RETRIES
-        last_log = time.monotonic()
         try:
             while not pieces.complete:
                 if _stopped(stop):
@@ -663,46 +828,14 @@ class RelayReader:
                         f"{state['mark']} of {total} bytes verified")
                 h = self.path[at]
                 try:
-                    mark = self._watermark(h, total)
-                    if h.kind == "transfer" and self.stall_s > 0 and (
-                            now - h.advanced > 2 * self.stall_s):
-                        raise PeerError(f"it advertised nothing new for {2 * self.stall_s:g} s")
-                    todo = pieces.below(mark)
-                    if not todo:
-                        if now - last_log > _STILL_WAITING_EVERY_S:
-                            log.info("relay: still waiting for %s to advertise more than %d of "
-                                     "%d bytes", h.ref, mark, total)
-                            last_log = now
-                        if h.word is None:
-                            time.sleep(_POLL_S)  # each poll is an HTTP request to the server
-                        else:
-                            # A word READ costs the upstream nothing but its NIC: poll
-                            # tightly after it advanced, backing off while it is starved.
-                            time.sleep(h.wait_s)
-                            h.wait_s = min(2 * h.wait_s, _WORD_POLL_MAX_S)
-                        continue
-                    h.wait_s = _WORD_POLL_MIN_S
-                    assert h.manifest is not None and h.info is not None
-                    whole = pieces.whole_tensors(todo)
-                    copied = (self._read_locally(h, {n_: dest[n_] for n_ in whole}, stop, end,
-                                                 tensor_done) if whole else None)
-                    if copied is not None:
-                        results.append(copied)
-                    else:
-                        if h.pieces is None:
-                            h.pieces = pieces.manifest_of(h.manifest)
-                        results.append(self.manager.read(
-                            h.pieces, todo, peer=self._connect(h), allow_partial=True,
-                            chunk_bytes=self.chunk_bytes,
-                            deadline_s=max(end - time.monotonic(), 1.0), stop=stop,
-                            verify=False, on_tensor_done=piece_done,  # digests: _Pieces
-                            stall_s=self.stall_s or None,
-                            refuse_slow_transport=self.refuse_slow_transport,
-                            connect=not h.opened,  # one connect READ per connection
-                            patient=True))  # pieces over a NIC: no spinning
-                        h.opened = True
-                    if h.ref not in self.read_from:
-                        self.read_from.append(h.ref)
+                    if h.kind == "source" and self.local is not None:
+                        whole = pieces.whole_tensors(pieces.below(total))
+                        copied = (self._read_locally(h, {n_: dest[n_] for n_ in whole}, stop,
+                                                     end, tensor_done) if whole else None)
+                        if copied is not None:
+                            results.append(copied)
+                            continue
+                    self._stream(h, pieces, stop, end, piece_done, results, state)
                 except TransferCancelledError:
                     raise
                 except (TransferError, MxError) as exc:

@@ -28,12 +28,13 @@ registrations or connections live.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from modelexpress._closing import ClosedOnCollect
@@ -48,6 +49,7 @@ from modelexpress.transfer import digest as _digest
 from modelexpress.transfer.manifest import Manifest, build_manifest
 from modelexpress.transfer.nixl_adapter import NixlAgent
 from modelexpress.transfer.observer import TransportObserver
+from modelexpress.transfer.piece_stream import PieceStream
 from modelexpress.transfer.planner import ReadPlan, RegionIndex, plan_read
 from modelexpress.transfer.read_loop import ProgressCallback, ReadLoop, StopSignal, stopped
 from modelexpress.transfer.remote_word import RemoteWord
@@ -75,6 +77,12 @@ log = logging.getLogger(__name__)
 
 # How often a serving agent reads UCX's log file (to relay UCX's warnings).
 _REPORT_POLL_S = 5.0
+# A serving agent's progress loop sleeps this long between polls. Bytes move one-sided
+# on RDMA, CMA and cuda_ipc; UCX over TCP emulates a READ and answers it here, so this
+# is the most a request waits before its answer starts (a relay's pieces take tens of
+# ms on a 100 Mbit/s link). 0.5 ms cost 8% of a core per idle source (issue #22's
+# fleet runs: one per agent); 2 ms costs 2-3%.
+_SERVE_POLL_S = 0.002
 # read(patient=True): polls of a chunk before sleeping, and the longest sleep.
 _PATIENT_SPIN_POLLS = 20
 _PATIENT_MAX_NAP_S = 0.001
@@ -378,7 +386,7 @@ class NixlTransferManager(ClosedOnCollect):
             out, self._notifs = self._notifs, []
         return out
 
-    def serve_forever(self, stop: StopSignal, *, poll_interval_s: float = 0.0005,
+    def serve_forever(self, stop: StopSignal, *, poll_interval_s: float = _SERVE_POLL_S,
                       max_seconds: float | None = None) -> None:
         """Progress the worker until ``stop`` (a ``threading.Event`` or callable) is set.
 
@@ -408,7 +416,7 @@ class NixlTransferManager(ClosedOnCollect):
                 next_report = now + _REPORT_POLL_S
             time.sleep(poll_interval_s)
 
-    def start_progress_thread(self, poll_interval_s: float = 0.0005) -> None:
+    def start_progress_thread(self, poll_interval_s: float = _SERVE_POLL_S) -> None:
         """Serve in a daemon thread until :meth:`stop_progress_thread` or :meth:`close`."""
         if self._progress_thread is not None and self._progress_thread.is_alive():
             return
@@ -603,6 +611,37 @@ class NixlTransferManager(ClosedOnCollect):
                               verified=algo is not None, verify_seconds=verify_s, peer=peer,
                               connect_seconds=runner.connect_s, expected_transport=expected,
                               transport_detail=facts.detail)
+
+    @contextlib.contextmanager
+    def open_stream(self, manifest: Manifest, local: Mapping[str, torch.Tensor], *,
+                    peer: str, refuse_slow_transport: bool = False,
+                    probe_bytes: int = 64 << 20) -> Iterator[PieceStream]:
+        """A :class:`~.piece_stream.PieceStream` of ``manifest``'s tensors into ``local``
+        (matching names; each a piece, read whole by one request when the caller posts
+        it). Released when the block ends.
+
+        Raises:
+            ManifestMismatchError: names/dtypes/shapes/sizes differ.
+            PeerError: ``peer`` was not added.
+        """
+        if peer not in self._peers:
+            raise PeerError(f"peer {peer!r} is not known to agent {self.name}; call "
+                            "add_peer(metadata) with the source's agent metadata first")
+        self._ensure_local_registered(local)
+        # One descriptor per piece: no coalescing, and no chunk limit that could split one.
+        plan = self.plan(manifest, local, allow_partial=True, coalesce=False,
+                         chunk_bytes=max(manifest.total_bytes, 1) + 1)
+        expected = expected_transport(plan.local_mem, plan.remote_mem,
+                                      manifest.host == socket.gethostname())
+        sizes = sorted({int(n) for n in plan.local_descs[:, 1]}) if len(plan.local_descs) else []
+        with self._observer.reading(peer, plan.local_mem, plan.remote_mem, sizes) as watch:
+            stream = PieceStream(self._agent, plan, local, peer, expected=expected,
+                                 refuse=refuse_slow_transport, watch=watch,
+                                 probe_bytes=probe_bytes)
+            try:
+                yield stream
+            finally:
+                stream.close()
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:

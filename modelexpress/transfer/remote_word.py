@@ -54,6 +54,9 @@ class RemoteWord:
         region = (int(self._buf.ctypes.data), nbytes, 0)
         self._handles: list[Any] = []
         self._req: Any = None
+        self._due: float | None = None   # monotonic deadline of the READ in flight
+        self._deadline_s = 0.0
+        self._state = "DONE"
         self._reg: Any = agent.register([region], "DRAM")
         try:
             self._handles.append(agent.prep(None, np.array([region], dtype=np.uint64), "DRAM"))
@@ -72,26 +75,64 @@ class RemoteWord:
             PeerError: the READ failed (the peer exited or deregistered the word), or
                 did not complete within ``deadline_s`` (the peer or its link is hung).
         """
+        self.post(deadline_s)
+        polls = 0
+        while True:
+            got = self.poll()
+            if got is not None:
+                return got
+            polls += 1
+            if polls > _SPIN_POLLS:
+                time.sleep(_POLL_SLEEP_S)
+
+    @property
+    def posted(self) -> bool:
+        """A READ is in flight (:meth:`post` called, :meth:`poll` has not returned it)."""
+        return self._due is not None
+
+    def post(self, deadline_s: float) -> None:
+        """Post the READ without waiting; :meth:`poll` returns the words once it landed.
+        Posting while one is in flight does nothing (NIXL refuses a repost of an active
+        request).
+
+        Raises:
+            PeerError: the READ is closed or NIXL refused the post.
+        """
         if self._req is None:
             raise PeerError(f"the watermark READ of peer {self.peer} is closed")
+        if self._due is not None:
+            return
         try:
-            state = self._agent.post(self._req, self.peer, self.nbytes)
-            polls = 0
-            end = time.monotonic() + deadline_s
-            while state == "PROC":
-                if time.monotonic() > end:
-                    raise PeerError(f"a {self.nbytes}-byte READ of peer {self.peer}'s watermark "
-                                    f"did not complete within {deadline_s:g} s: the peer or "
-                                    "its link is hung")
-                polls += 1
-                if polls > _SPIN_POLLS:
-                    time.sleep(_POLL_SLEEP_S)
-                state = self._agent.state(self._req, self.peer, self.nbytes)
-        except PeerError:
-            raise
+            self._state = self._agent.post(self._req, self.peer, self.nbytes)
         except TransferError as exc:
             raise PeerError(f"the watermark READ of peer {self.peer} failed: {exc}") from exc
-        if state == "ERR":
+        self._due = time.monotonic() + deadline_s
+        self._deadline_s = deadline_s
+
+    def poll(self) -> tuple[int, ...] | None:
+        """The words of the posted READ once it landed, else None (still in flight).
+
+        Raises:
+            PeerError: nothing is posted, the READ failed, or it did not complete
+                within the ``deadline_s`` it was posted with.
+        """
+        if self._due is None or self._req is None:
+            raise PeerError(f"no watermark READ of peer {self.peer} is posted")
+        try:
+            if self._state == "PROC":
+                self._state = self._agent.state(self._req, self.peer, self.nbytes)
+        except TransferError as exc:
+            self._due = None
+            raise PeerError(f"the watermark READ of peer {self.peer} failed: {exc}") from exc
+        if self._state == "PROC":
+            if time.monotonic() > self._due:
+                self._due = None
+                raise PeerError(f"a {self.nbytes}-byte READ of peer {self.peer}'s watermark "
+                                f"did not complete within {self._deadline_s:g} s: the peer or "
+                                "its link is hung")
+            return None
+        self._due = None
+        if self._state == "ERR":
             raise PeerError(f"the watermark READ of peer {self.peer} failed: the peer exited "
                             "or withdrew its memory")
         return tuple(int(v) for v in self._buf)
@@ -99,6 +140,7 @@ class RemoteWord:
     def close(self) -> None:
         """Release the request (aborting a post still active) and the buffer. Idempotent."""
         self.closed = True
+        self._due = None
         req, self._req = self._req, None
         if req is not None:
             self._agent.release(req)
