@@ -139,6 +139,18 @@ def _stopped(stop: "StopSignal | None") -> bool:
     return stop.is_set() if isinstance(stop, threading.Event) else bool(stop())
 
 
+def _go_on(stop: "StopSignal | None", end: float, verified: int, total: int) -> None:
+    """Raise when the relayed READ was stopped or ran past its deadline (``end``)."""
+    if _stopped(stop):
+        raise TransferCancelledError(
+            f"relayed READ stopped on request after {verified} of {total} bytes; tensors "
+            "not reported done are incomplete")
+    if time.monotonic() > end:
+        raise TransferTimeoutError(
+            f"relayed READ did not finish within its deadline (MX_TRANSFER_TIMEOUT_S): "
+            f"{verified} of {total} bytes verified")
+
+
 class RelayServer:
     """The relay source of one transfer: its destination, served from the first chunk.
 
@@ -683,15 +695,8 @@ class RelayReader:
             # wake-up and READ costs CPU the host may share with its engine).
             piece_s = 0.0
             while not pieces.complete:
-                if _stopped(stop):
-                    raise TransferCancelledError(
-                        f"relayed READ stopped on request after {state['mark']} of {total} "
-                        "bytes; tensors not reported done are incomplete")
+                _go_on(stop, end, state["mark"], total)
                 now = time.monotonic()
-                if now > end:
-                    raise TransferTimeoutError(
-                        f"relayed READ did not finish within the deadline: {state['mark']} of "
-                        f"{total} bytes verified")
                 moved = False
                 done = stream.poll()  # PeerError: the holder vanished
                 if done:
@@ -817,15 +822,7 @@ class RelayReader:
         origin_retries = _ORIGIN_RETRIES
         try:
             while not pieces.complete:
-                if _stopped(stop):
-                    raise TransferCancelledError(
-                        f"relayed READ stopped on request after {state['mark']} of {total} "
-                        "bytes; tensors not reported done are incomplete")
-                now = time.monotonic()
-                if now > end:
-                    raise TransferTimeoutError(
-                        f"relayed READ did not finish within {deadline_s:.0f} s: "
-                        f"{state['mark']} of {total} bytes verified")
+                _go_on(stop, end, state["mark"], total)
                 h = self.path[at]
                 try:
                     if h.kind == "source" and self.local is not None:

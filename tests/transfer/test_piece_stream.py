@@ -4,6 +4,7 @@ watermark word is read without blocking."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -30,30 +31,37 @@ def _drain(stream, want: int) -> list[str]:
     return landed
 
 
-def test_pieces_posted_one_by_one_land_whole_and_only_those(source_factory) -> None:
-    src = source_factory({"kinds": ["chunky"]})
+@contextlib.contextmanager
+def _stream_of(src):  # noqa: ANN001, ANN202
+    """A connected stream of ``src``'s chunky tensors into empty ones: (stream, local, names)."""
     manifest = Manifest.from_json(src.manifests["chunky"])
-    want = layouts.expected(manifest)
     _, local = layouts.carve("", filled=False, specs=layouts.specs_of(manifest))
     names = [e.name for e in manifest.tensors]
     with NixlTransferManager() as mgr:
         peer = mgr.add_peer(src.metadata)
         with mgr.open_stream(manifest, local, peer=peer) as stream:
             stream.connect(names[0], _BOUND_S)
-            local[names[0]].zero_()  # the connect READ's bytes are read again below
-            # Out of manifest order, two in flight: each piece lands whole.
-            picked = [names[3], names[0], names[5]]
-            for n in picked[:2]:
-                stream.post(n)
-            assert stream.inflight_bytes == sum(local[n].numel() * local[n].element_size()
-                                                for n in picked[:2])
-            landed = _drain(stream, 2)
-            stream.post(picked[2])
-            landed += _drain(stream, 1)
-            assert sorted(landed) == sorted(picked) and not stream.inflight
-            seconds, verdict, warnings = stream.finish()
-            assert stream.bytes == sum(local[n].numel() * local[n].element_size()
-                                       for n in picked) and seconds > 0
+            yield stream, local, names
+
+
+def test_pieces_posted_one_by_one_land_whole_and_only_those(source_factory) -> None:
+    src = source_factory({"kinds": ["chunky"]})
+    want = layouts.expected(Manifest.from_json(src.manifests["chunky"]))
+    with _stream_of(src) as (stream, local, names):
+        local[names[0]].zero_()  # the connect READ's bytes are read again below
+        # Out of manifest order, two in flight: each piece lands whole.
+        picked = [names[3], names[0], names[5]]
+        for n in picked[:2]:
+            stream.post(n)
+        assert stream.inflight_bytes == sum(local[n].numel() * local[n].element_size()
+                                            for n in picked[:2])
+        landed = _drain(stream, 2)
+        stream.post(picked[2])
+        landed += _drain(stream, 1)
+        assert sorted(landed) == sorted(picked) and not stream.inflight
+        seconds, verdict, warnings = stream.finish()
+        assert stream.bytes == sum(local[n].numel() * local[n].element_size()
+                                   for n in picked) and seconds > 0
         for n in names:
             if n in picked:
                 assert layouts.same_bytes(local[n], want[n]), n
@@ -63,26 +71,20 @@ def test_pieces_posted_one_by_one_land_whole_and_only_those(source_factory) -> N
 
 def test_a_peer_killed_while_pieces_are_in_flight_is_a_peer_error(source_factory) -> None:
     src = source_factory({"kinds": ["chunky"]})
-    manifest = Manifest.from_json(src.manifests["chunky"])
-    _, local = layouts.carve("", filled=False, specs=layouts.specs_of(manifest))
-    names = [e.name for e in manifest.tensors]
-    with NixlTransferManager() as mgr:
-        peer = mgr.add_peer(src.metadata)
-        with mgr.open_stream(manifest, local, peer=peer) as stream:
-            stream.connect(names[0], _BOUND_S)
-            stream.post(names[0])
-            _drain(stream, 1)
-            os.kill(src.pid, signal.SIGKILL)
-            src.proc.wait(30)
-            end = time.monotonic() + _BOUND_S
-            with pytest.raises(PeerError, match="peer"):
-                for n in names[1:]:
-                    stream.post(n)
-                while time.monotonic() < end:
-                    stream.poll()
-                    time.sleep(0.001)
-        # released on the way out: nothing is left in flight
-        assert not stream.inflight
+    with _stream_of(src) as (stream, local, names):
+        stream.post(names[0])
+        _drain(stream, 1)
+        os.kill(src.pid, signal.SIGKILL)
+        src.proc.wait(30)
+        end = time.monotonic() + _BOUND_S
+        with pytest.raises(PeerError, match="peer"):
+            for n in names[1:]:
+                stream.post(n)
+            while time.monotonic() < end:
+                stream.poll()
+                time.sleep(0.001)
+    # released on the way out: nothing is left in flight
+    assert not stream.inflight
 
 
 def test_a_word_is_posted_and_polled_without_blocking(source_factory) -> None:
