@@ -139,6 +139,20 @@ def _stopped(stop: "StopSignal | None") -> bool:
     return stop.is_set() if isinstance(stop, threading.Event) else bool(stop())
 
 
+def _word_value(word: tuple[int, ...], total: int) -> int | None:
+    """The mark a watermark word says; None when it was read mid-write (its halves
+    disagree: the next READ sees it whole). Raises PeerError when it says the relay
+    withdrew, or more than the model's bytes."""
+    mark, check = word[0], word[1]
+    if check != _check(mark):
+        return None
+    if mark == _WITHDRAWN:
+        raise PeerError("it withdrew its relay source (its watermark word says so)")
+    if mark > total:
+        raise PeerError(f"its watermark word says {mark} of {total} bytes")
+    return mark
+
+
 def _go_on(stop: "StopSignal | None", end: float, verified: int, total: int) -> None:
     """Raise when the relayed READ was stopped or ran past its deadline (``end``)."""
     if _stopped(stop):
@@ -529,22 +543,29 @@ class RelayReader:
         if h.kind == "source":
             return total
         now = time.monotonic()
-        mark = h.mark
-        if h.word is None or now - h.polled > _STATE_EVERY_S:
-            try:
-                mark = max(mark, self._record_mark(h, total, now))
-            except ServerUnavailableError as exc:
-                if h.word is None:
-                    raise
-                # The word is the watermark; the record is only its state: a control
-                # plane that does not answer now is no reason to leave a live relay.
-                log.warning("relay: %s's record unreadable (%s); following its word",
-                            h.ref, exc)
-        if h.word is not None and mark < total:
-            mark = max(mark, self._word_mark(h, total))
+        self._follow_record(h, total, now)
+        if h.word is not None and h.mark < total:
+            mark = self._word_mark(h, total)
+            if mark > h.mark:
+                h.mark, h.advanced = mark, now
+        return h.mark
+
+    def _follow_record(self, h: _Holder, total: int, now: float) -> None:
+        """Read ``h``'s transfer record at every call while it has no word, once a second
+        after (its state: ended, STALE, gone); raises PeerError when it is gone."""
+        if h.word is not None and now - h.polled <= _STATE_EVERY_S:
+            return
+        try:
+            mark = self._record_mark(h, total, now)
+        except ServerUnavailableError as exc:
+            if h.word is None:
+                raise
+            # The word is the watermark; the record is only its state: a control
+            # plane that does not answer now is no reason to leave a live relay.
+            log.warning("relay: %s's record unreadable (%s); following its word", h.ref, exc)
+            return
         if mark > h.mark:
             h.mark, h.advanced = mark, now
-        return h.mark
 
     def _record_mark(self, h: _Holder, total: int, now: float) -> int:
         """``h``'s watermark as its transfer record says (its ``bytes_done``)."""
@@ -592,14 +613,8 @@ class RelayReader:
         """``h``'s watermark as its word says (PeerError: it withdrew, or the READ failed)."""
         assert h.word is not None
         limit = min(_WORD_DEADLINE_S, self.stall_s) if self.stall_s > 0 else _WORD_DEADLINE_S
-        mark, check = h.word.read(limit)
-        if check != _check(mark):
-            return h.mark  # read while the relay was writing it: the next poll sees it whole
-        if mark == _WITHDRAWN:
-            raise PeerError("it withdrew its relay source (its watermark word says so)")
-        if mark > total:
-            raise PeerError(f"its watermark word says {mark} of {total} bytes")
-        return mark
+        mark = _word_value(h.word.read(limit), total)
+        return h.mark if mark is None else mark
 
     def _mark_now(self, h: _Holder, total: int, gap_s: float = 0.0) -> int:
         """``h``'s watermark without waiting on its word: the word's READ is posted and
@@ -609,16 +624,7 @@ class RelayReader:
         if h.kind == "source":
             return total
         now = time.monotonic()
-        if h.word is None or now - h.polled > _STATE_EVERY_S:
-            try:
-                mark = self._record_mark(h, total, now)
-                if mark > h.mark:
-                    h.mark, h.advanced = mark, now
-            except ServerUnavailableError as exc:
-                if h.word is None:
-                    raise
-                log.warning("relay: %s's record unreadable (%s); following its word",
-                            h.ref, exc)
+        self._follow_record(h, total, now)
         word = h.word
         if word is None or h.mark >= total:
             return h.mark
@@ -626,13 +632,8 @@ class RelayReader:
             got = word.poll()  # PeerError: the READ failed or hung
             if got is None:
                 return h.mark
-            mark, check = got[0], got[1]
-            if check == _check(mark):  # else caught mid-write: the next READ sees it whole
-                if mark == _WITHDRAWN:
-                    raise PeerError("it withdrew its relay source (its watermark word says so)")
-                if mark > total:
-                    raise PeerError(f"its watermark word says {mark} of {total} bytes")
-            if check == _check(mark) and mark > h.mark:
+            mark = _word_value(got, total)
+            if mark is not None and mark > h.mark:
                 h.mark, h.advanced = mark, now
                 h.wait_s = _WORD_POLL_MIN_S
                 h.word_at = now + gap_s  # it moves: ask again soon
