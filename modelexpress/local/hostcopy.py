@@ -103,6 +103,35 @@ def _prefault(addr: int, nbytes: int) -> None:
         _prefault_ok = False
 
 
+_pool_lock = threading.Lock()
+_pool: "tuple[int, concurrent.futures.ThreadPoolExecutor] | None" = None  # (pid, pool)
+
+
+def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's copy threads, started at its first parallel copy and kept.
+
+    Why kept: starting a thread costs ~0.4 ms on the CI machine (``Thread.start``
+    waits for the new thread to run), and a pool per pull started two of them for a
+    70 MB pull that copies in ~4 ms (profiled: bench/local.py --host, docs/benchmarks.md).
+    Idle threads wait on the pool's queue and cost nothing. Several pulls of one process
+    share them; a lane never waits for another lane, so sharing cannot deadlock. A
+    forked child gets a pool of its own (the parent's threads do not exist there)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                _MAX_THREADS - 1, thread_name_prefix="mx-local-copy"))
+        return _pool[1]
+
+
+def _forget_pool_in_child() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # the lock may have been held at the fork
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def copy_threads() -> int:
     """Threads a host copy uses: the CPUs this process may run on, at most 8 (a cap:
     a copy is bound by memory bandwidth; more threads were not measured)."""
@@ -124,7 +153,6 @@ class HostCopier:
     def __init__(self, mapping: "HostMapping", threads: int | None = None) -> None:
         self.mapping = mapping
         self.threads = threads or copy_threads()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _deal(self, copies: Sequence[tuple[int, int, int, int]]) -> list[list[tuple[int, int, int, int]]]:
         """Pieces dealt to the threads, about the same bytes each, in address order."""
@@ -166,13 +194,19 @@ class HostCopier:
             for lane in lanes:
                 work(self.mapping, lane)
         else:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    self.threads, thread_name_prefix="mx-local-copy")
-            futures = [self._pool.submit(work, self.mapping, lane) for lane in lanes]
+            # The calling thread copies the first lane itself, the process's copy
+            # threads the others: no thread is started or woken for the first lane.
+            futures = [_copy_pool().submit(work, self.mapping, lane) for lane in lanes[1:]]
+            failed: BaseException | None = None
+            try:
+                work(self.mapping, lanes[0])
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the others
+                failed = exc
             # ORDER: wait for every piece before raising, so a failed piece never leaves
             # another one writing into memory the caller is about to reuse or free.
             concurrent.futures.wait(futures)
+            if failed is not None:
+                raise failed
             for f in futures:
                 f.result()
         if post:
@@ -188,10 +222,8 @@ class HostCopier:
             read(seg, off, dst, n)
 
     def close(self) -> None:
-        """Stop the threads (waits for running copies). Idempotent."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        """(Nothing to release: the copy threads are the process's, see
+        :func:`_copy_pool`; a copy has returned only once all its pieces finished.)"""
 
 
 class _Stream:

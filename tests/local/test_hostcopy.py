@@ -131,6 +131,77 @@ def test_wsum_digests_of_a_host_copy_run_alongside_it(seed):
         buf.close()
 
 
+def _copy_threads() -> list[int]:
+    import threading
+    return sorted(t.ident for t in threading.enumerate() if t.name.startswith("mx-local-copy"))
+
+
+def test_copy_threads_are_the_processes_and_a_failed_lane_waits_for_the_others(seed):
+    """The calling thread copies a lane itself and the process's copy threads the
+    others, kept from one copy to the next; a lane that fails on the calling thread
+    raises only after every other lane has landed."""
+    from modelexpress.errors import BackendError
+    buf, spans = _source([6 << 20], seed)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    try:
+        dst = torch.zeros(6 << 20, dtype=torch.uint8)
+        copier = HostCopier(mapping, threads=3)
+        copier.copy([(0, 0, dst.data_ptr(), 6 << 20)])
+        first = _copy_threads()
+        assert 1 <= len(first) <= 2  # at most threads - 1: the caller copies too
+        copier.copy([(0, 0, dst.data_ptr(), 6 << 20)])
+        assert _copy_threads() == first
+        assert torch.equal(dst, buf.tensor(0, (6 << 20,), torch.uint8))
+        dst.zero_()
+        # Lane 0 (the calling thread's: the first pieces in address order) reads into
+        # an address that is not mapped; lanes 1 and 2 land their bytes all the same.
+        bad = [(0, 0, 4096, 2 << 20), (0, 2 << 20, dst.data_ptr() + (2 << 20), 4 << 20)]
+        with pytest.raises(BackendError, match="failed"):
+            copier.copy(bad)
+        assert torch.equal(dst[2 << 20:], buf.tensor(0, (6 << 20,), torch.uint8)[2 << 20:])
+        copier.close()
+    finally:
+        mapping.close()
+        buf.close()
+
+
+def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
+    """A process that forks after a parallel copy (an engine forking its workers): the
+    parent's copy threads do not exist in the child, which starts its own."""
+    import ctypes
+    import time
+    buf, spans = _source([4 << 20], seed)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    try:
+        landed = torch.empty(4 << 20, dtype=torch.uint8)
+        HostCopier(mapping, threads=2).copy([(0, 0, landed.data_ptr(), 4 << 20)])
+        assert _copy_threads()
+        want = bytes(buf.tensor(0, (4 << 20,), torch.uint8).numpy())
+        pid = os.fork()
+        if pid == 0:  # no torch in the child: only reads into a ctypes buffer
+            code = 1
+            try:
+                out = (ctypes.c_ubyte * (4 << 20))()
+                HostCopier(mapping, threads=2).copy([(0, 0, ctypes.addressof(out), 4 << 20)])
+                code = 0 if bytes(out) == want else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child's copy did not finish in 30 s")
+            time.sleep(0.02)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        mapping.close()
+        buf.close()
+
+
 def test_read_into_refuses_a_range_outside_its_segment_and_after_close():
     from modelexpress.errors import ConfigError
     buf = HostBuffer(4096)

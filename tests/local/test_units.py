@@ -104,6 +104,54 @@ def test_a_peer_beyond_max_peers_is_refused_as_busy_and_the_first_still_works(se
     assert all(torch.equal(dst[k], tensors[k]) for k in tensors)
 
 
+def test_peer_threads_serve_one_peer_after_another_and_close_with_the_source(tmp_path):
+    """A source keeps the thread that served a peer for the next one (a connection does
+    not wait for a thread to start); concurrent peers get a thread each; close ends them."""
+    import threading
+    tensors = {"a": torch.arange(1000, dtype=torch.float32)}
+    buf, shared = host_buffer_like(tensors)
+    src = LocalSource(str(tmp_path / "ipc"), host_id=host_id())
+    src.add_host_buffer(buf)
+    src.add_tensors(shared)
+    manifest = build_manifest(shared)
+    src.start()
+    name = f"mx-local-peer-{src.source_id}"
+
+    def peer_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == name]
+    try:
+        assert len(peer_threads()) == 1  # started with the source, before any peer
+        for _ in range(4):
+            dst = {"a": torch.empty(1000)}
+            pull(src.endpoint, manifest, dst)
+            assert torch.equal(dst["a"], tensors["a"])
+            deadline = time.monotonic() + 10  # the thread is free once the peer said bye
+            while src.active_peers and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert len(peer_threads()) == 1 and src.counters["served"] == 4
+        from modelexpress.local import LocalSession
+        held = [LocalSession(src.endpoint) for _ in range(3)]  # three at once
+        assert len(peer_threads()) == 3 and src.active_peers == 3
+        for h in held:
+            h.close()
+        deadline = time.monotonic() + 10
+        while src.active_peers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pull(src.endpoint, manifest, {"a": torch.empty(1000)})  # served by a kept thread
+        deadline = time.monotonic() + 10  # counted just after the segments are sent
+        while src.counters["served"] < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(peer_threads()) == 3 and src.counters["served"] == 8
+    finally:
+        src.close()
+        del shared
+        buf.close()
+    deadline = time.monotonic() + 10
+    while peer_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert peer_threads() == []
+
+
 def test_cpu_tensors_outside_shared_memory_are_refused(tmp_path):
     src = LocalSource(str(tmp_path / "ipc"), host_id=host_id())
     with pytest.raises(ConfigError, match="HostBuffer"):
