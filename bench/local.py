@@ -530,6 +530,7 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[s
 
         out: dict[str, Any] = {
             "case": name, "bytes": total, "tensors": len(manifest.tensors), "rounds": rounds,
+            "fresh_rounds": fresh_rounds,
             "loadavg": os.getloadavg(),
             "copy_threads": copy_threads(), "digest": manifest.digest_algorithm,
             "median_s": {k: round(_median(v), 4) for k, v in times.items()},
@@ -577,7 +578,7 @@ def host_main(args: argparse.Namespace) -> None:
         for name in args.cases.split(","):
             if name not in HOST_CASES:
                 raise SystemExit(f"unknown case {name!r}; allowed: {', '.join(HOST_CASES)}")
-            r = host_case(name, args.rounds, tmp)
+            r = host_case(name, args.rounds, tmp, args.fresh_rounds)
             m, g = r["median_s"], r["gbps"]
             print(f"{name}: {r['bytes'] / 1e6:.1f} MB {r['tensors']} tensors, {r['rounds']} rounds, "
                   f"{r['copy_threads']} copy threads | memcpy warm {g['memcpy_warm']} GB/s, "
@@ -791,6 +792,8 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="CPU: host pulls vs memcpy vs disk")
     p.add_argument("--cases", default="1gib,70mb", help="--host: checkpoints to pull")
     p.add_argument("--rounds", type=int, default=5, help="--host: interleaved rounds")
+    p.add_argument("--fresh-rounds", type=int, default=3,
+                   help="--host: rounds of the fresh-process load and pulls")
     p.add_argument("--gpu-first", action="store_true", help="GPU: first vs later pull")
     p.add_argument("--trials", type=int, default=2, help="--gpu-first: targets per mode/cache")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
