@@ -42,17 +42,26 @@ Measured in one run, each against the link cap ``C`` (``--cap``, Mbit/s):
   transfer's ``relay_path`` length (1: read the origin), ``claimed_s``/``finish_s``: when
   each agent claimed and finished its transfer, ``cpu_busy``: the fraction of this
   machine's CPUs busy while the N ran (every host shares them: near 1.0 the run
-  measures the CPU, not the links). Agents write each finished
+  measures the CPU, not the links), ``cpu_s``: where it went, [user, system]
+  CPU-seconds of the server, the origin, the agents (summed; ``busiest_agent``), this
+  bench and the kernel's softirqs, ``origin_tx_bytes_per_packet``: what the kernel's
+  per-packet work is paid on. Agents write each finished
   transfer out (``--out``) before they report it, so ``last_s`` includes a safetensors
   write per target, which this machine's one disk does N times over; ``--relay-no-out``
   keeps the transfers in memory (the finish is then the last verified byte).
+
+Links: ``--mtu`` sets every veth's and bridge's MTU (default 1500; 9000 for jumbo
+frames, ~50 KB packets instead of ~1.8 KB, a tenth of the softirq time);
+``--small-first`` (relay) shapes with ``htb``, packets under 1 KiB (requests, ACKs)
+ahead of the bulk, as a host's fair queue serves sparse flows (this kernel has no
+``fq_codel``); ``--queue-ms`` is the bulk queue's depth.
 
 ``achieved`` is the pull's data-plane rate (``gbps`` of its result: first READ to last
 byte) in Mbit/s.
 
 Usage: sudo python bench/cluster.py [--cap 400] [--targets 2,4,8] [--stripes 2,4] [--quick]
        [--only relay] [--relay-model uniform,minilm] [--relay-chunk 2097152] [--queue-ms 100]
-       [--relay-no-out]
+       [--relay-no-out] [--mtu 1500] [--small-first]
 Prints progress lines on stderr, then ONE JSON object on the last line of stdout.
 """
 
@@ -61,6 +70,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import shutil
 import sys
@@ -87,6 +97,43 @@ def _cpu_ticks() -> tuple[int, int]:
         fields = [int(v) for v in f.readline().split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     return sum(fields) - idle, sum(fields)
+
+
+def _proc_cpu_s(pid: int | None) -> tuple[float, float]:
+    """(user, system) CPU seconds, every thread, a process has used; 0 once it is gone."""
+    if pid is None:
+        return 0.0, 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _softirq_s() -> float:
+    """CPU seconds the kernel spent in softirqs (the veths, tc, TCP) on every CPU."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return fields[6] / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_split(procs: dict[str, int | None]) -> dict[str, tuple[float, float]]:
+    """(user, system) CPU seconds so far of each named process and of this bench
+    process; the softirqs' as (0, seconds)."""
+    out = {name: _proc_cpu_s(pid) for name, pid in procs.items()}
+    out["bench"] = _proc_cpu_s(os.getpid())
+    out["softirq"] = (0.0, _softirq_s())
+    return out
+
+
+def _packets(host: Host) -> tuple[int, int]:
+    """(packets, bytes) the host's first NIC sent, from its veth end in this namespace
+    (what the host sends, the bridge receives)."""
+    base = f"/sys/class/net/{host.nics[0].outer}/statistics"
+    with open(f"{base}/rx_packets") as f, open(f"{base}/rx_bytes") as g:
+        return int(f.read()), int(g.read())
 
 
 def _mbit(gbps: float) -> float:
@@ -254,20 +301,22 @@ def bench_fanout(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.
 
 def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.Path,
                 sizes: list[int], checkpoint: pathlib.Path | None, model: str,
-                chunk: int, queue_ms: float = 100.0, write_out: bool = True) -> dict[str, Any]:
+                chunk: int, queue_ms: float = 100.0, write_out: bool = True,
+                small_first: bool = False) -> dict[str, Any]:
     """N targets started at once through the fleet relay (see the module docstring)."""
     tag = "u" if checkpoint is not None else "m"
     origin = cluster.add_host(f"{tag}org")
     targets = [cluster.add_host(f"{tag}r{i}") for i in range(max(sizes))]
     for h in [origin, *targets]:
-        h.shape(cap, queue_ms=queue_ms)
+        h.shape(cap, queue_ms=queue_ms, small_first=small_first)
     pub = fleet.publish(origin, checkpoint=checkpoint, model=model)
     info = pub.json_line(START_DEADLINE_S)
     identity = info["identity"]["id"]
     with fleet.client() as c:
         nbytes = sum(e["nbytes"] for e in c.get_source(info["source_id"]).manifest["tensors"])
     out: dict[str, Any] = {"bytes": nbytes, "t1_s": round(nbytes * 8 / (cap * 1e6), 3),
-                           "chunk_bytes": chunk, "queue_ms": queue_ms, "write_out": write_out}
+                           "chunk_bytes": chunk, "queue_ms": queue_ms, "write_out": write_out,
+                           "small_first": small_first}
     env = {"MX_RELAY_CHUNK_BYTES": str(chunk), "MX_TRANSFER_STALL_S": "10"}
     for n in sorted({1, *sizes}):
         hosts = targets[:n]
@@ -276,19 +325,29 @@ def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.P
                   for h, aid in zip(hosts, ids)]
         fleet.wait_agents(ids)
         nic0 = {h.name: h.nic_bytes() for h in [origin, *hosts]}
+        pkts0 = _packets(origin)
+        procs = {"server": fleet.server.inner_pid(), "origin": pub.inner_pid(),
+                 **{f"agent{i}": a.inner_pid() for i, a in enumerate(agents)}}
+        split0 = _cpu_split(procs)
         cpu0 = _cpu_ticks()
         deadline = time.monotonic() + 600
         with fleet.client() as c:
             made = [c.start_transfer(identity, aid) for aid in ids]  # all at once
+            wanted = {t.id for t in made}
+            # One request per look, four looks a second: the times come from the
+            # server's records (claimed, finished), so looking more often only adds
+            # load to the server and the 2 CPUs every host shares.
             while True:
-                recs = [c.get_transfer(t.id) for t in made]
-                if all(x.state in _FINAL for x in recs):
+                recs = [x for x in c.list_transfers(identity=identity) if x.id in wanted]
+                if len(recs) == len(wanted) and all(x.state in _FINAL for x in recs):
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"relay n={n} not done after 600 s")
-                time.sleep(0.05)
+                time.sleep(0.25)
         nic1 = {h.name: h.nic_bytes() for h in [origin, *hosts]}
         cpu1 = _cpu_ticks()
+        split1 = _cpu_split(procs)
+        pkts1 = _packets(origin)
         for a in agents:
             a.stop()
         failed = [x for x in recs if x.state != "SUCCEEDED"]
@@ -307,6 +366,18 @@ def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.P
                                    for x in recs),
                # the whole machine's CPUs (every host shares them) while the N ran
                "cpu_busy": round((cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1), 3)}
+        # Where that CPU went, in CPU seconds over the same window, [user, system]: the
+        # server, the origin's publisher, the agents (summed, and the busiest), this
+        # bench's polling, and the kernel's softirqs (the veths' and tc's packet work).
+        used = {k: [round(split1[k][j] - split0[k][j], 2) for j in (0, 1)] for k in split0}
+        agents_s = [used.pop(f"agent{i}") for i in range(n)]
+        # The origin's sends, bytes per packet as its veth counts them (GSO packets of
+        # up to 64 KiB count once): what the kernel's per-packet work is paid on.
+        sent = [pkts1[j] - pkts0[j] for j in (0, 1)]
+        row["origin_tx_bytes_per_packet"] = round(sent[1] / max(sent[0], 1))
+        row["cpu_s"] = {**used,
+                        "agents": [round(sum(a[j] for a in agents_s), 2) for j in (0, 1)],
+                        "busiest_agent": max(agents_s, key=sum) if agents_s else [0.0, 0.0]}
         out[str(n)] = row
         _say(f"relay {model} n={n}: {row}")
     one = out["1"]["last_s"]
@@ -334,6 +405,11 @@ def main() -> None:
                              "finish is the last verified byte, not a safetensors write that "
                              "N hosts' disks would do in parallel but this machine's one disk "
                              "does N times")
+    parser.add_argument("--mtu", type=int, default=1500,
+                        help="MTU of every link (9000: jumbo frames, a sixth of the packets)")
+    parser.add_argument("--small-first", action="store_true",
+                        help="relay: shape links with htb, packets under 1 KiB (requests, "
+                        "ACKs) first, as a host's fair queue serves sparse flows")
     parser.add_argument("--queue-ms", type=float, default=100.0,
                         help="tbf queue (latency) of the relay part's links, in ms")
     args = parser.parse_args()
@@ -352,10 +428,11 @@ def main() -> None:
     t0 = time.monotonic()
     result: dict[str, Any] = {"cap_mbit": args.cap, "bytes": nbytes,
                               "model": "sentence-transformers/all-MiniLM-L6-v2",
-                              "shaping": "tc tbf both directions per host link, no added latency"}
+                              "shaping": "tc tbf both directions per host link, no added latency",
+                              "mtu": args.mtu}
     uniform = uniform_checkpoint(work / "uniform", nbytes)
     if widths != [0] and args.only in ("", "striping"):
-        with NetnsCluster(work / "stripe") as cluster:
+        with NetnsCluster(work / "stripe", mtu=args.mtu) as cluster:
             fleet = Fleet(cluster, cluster.add_host("server"))
             if not args.quick:
                 result["striping"] = bench_striping(cluster, fleet, args.cap, work, widths,
@@ -363,19 +440,20 @@ def main() -> None:
             result["striping_uniform"] = bench_striping(cluster, fleet, args.cap, work,
                                                         widths, uniform, "bench/uniform-96")
     if args.only in ("", "fanout"):
-        with NetnsCluster(work / "fanout") as cluster:
+        with NetnsCluster(work / "fanout", mtu=args.mtu) as cluster:
             fleet = Fleet(cluster, cluster.add_host("server"))
             result["fanout"] = bench_fanout(cluster, fleet, args.cap, work, sizes, nbytes)
     if args.only in ("", "relay"):
         result["relay"] = {}
         for which in args.relay_model.split(","):
-            with NetnsCluster(work / f"relay-{which}") as cluster:
+            with NetnsCluster(work / f"relay-{which}", mtu=args.mtu) as cluster:
                 fleet = Fleet(cluster, cluster.add_host("server"))
                 ckpt, name = ((uniform, "bench/uniform-96") if which == "uniform"
                               else (None, MODEL))
                 result["relay"][which] = bench_relay(cluster, fleet, args.cap, work, sizes,
                                                      ckpt, name, args.relay_chunk,
-                                                     args.queue_ms, not args.relay_no_out)
+                                                     args.queue_ms, not args.relay_no_out,
+                                                     args.small_first)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(result))
 

@@ -386,18 +386,26 @@ class Host:
         return int(out[0]), int(out[1])
 
     def shape(self, rate_mbit: float | None, *, ingress_mbit: float | None = None,
-              delay_ms: float = 0.0, nic: str = "eth0", queue_ms: float = 100.0) -> None:
+              delay_ms: float = 0.0, nic: str = "eth0", queue_ms: float = 100.0,
+              small_first: bool = False) -> None:
         """Cap a NIC's send rate (and receive rate: ``ingress_mbit``, default the same)
         with ``tbf``, and add ``delay_ms`` of one-way latency with ``netem`` on sends.
 
         ``None`` leaves a direction uncapped. ``queue_ms``: tbf's ``latency``, the most a
         packet waits in the queue (a deep queue delays a host's small packets, READ
-        requests and ACKs, behind the bulk data it sends). Replaces any earlier shaping.
+        requests and ACKs, behind the bulk data it sends). ``small_first``: shape with
+        ``htb`` instead, packets under 1 KiB (requests, ACKs) in a class served before
+        the bulk one, as a host's fair queue (``fq_codel``, Linux's default, which this
+        kernel lacks) serves a sparse flow before a backlogged one; no ``delay_ms``
+        then. Replaces any earlier shaping.
         """
         n = self.nic(nic)
         ingress = rate_mbit if ingress_mbit is None else ingress_mbit
-        _shape(["ip", "netns", "exec", self.netns], n.name, rate_mbit, delay_ms, queue_ms)
-        _shape([], n.outer, ingress, 0.0, queue_ms)
+        shaper = _shape_small_first if small_first else _shape
+        if small_first and delay_ms > 0:
+            raise ValueError("small_first shaping adds no delay (no netem under htb here)")
+        shaper(["ip", "netns", "exec", self.netns], n.name, rate_mbit, delay_ms, queue_ms)
+        shaper([], n.outer, ingress, 0.0, queue_ms)
 
 
 def _shape(prefix: list[str], dev: str, rate_mbit: float | None, delay_ms: float,
@@ -419,18 +427,44 @@ def _shape(prefix: list[str], dev: str, rate_mbit: float | None, delay_ms: float
              "netem", "delay", f"{delay_ms}ms", "limit", "100000"])
 
 
+def _shape_small_first(prefix: list[str], dev: str, rate_mbit: float | None,
+                       delay_ms: float, queue_ms: float = 100.0) -> None:
+    """``rate_mbit`` in all, with packets under 1 KiB (the IP header's total length)
+    sent ahead of the rest; the bulk class queues at most ``queue_ms`` of bytes."""
+    _sh([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+    if rate_mbit is None:
+        return
+    rate = f"{rate_mbit}mbit"
+    burst = str(max(int(rate_mbit * 1e6 / 8 * 0.004), 64 << 10))  # as _shape's
+    tc = [*prefix, "tc"]
+    _sh([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"])
+    _sh([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+         "rate", rate, "ceil", rate, "burst", burst, "cburst", burst])
+    for cls, prio, share in (("1:10", "0", 0.1), ("1:20", "1", 0.9)):
+        _sh([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", cls, "htb",
+             "rate", f"{rate_mbit * share}mbit", "ceil", rate, "prio", prio,
+             "burst", burst, "cburst", burst])
+    limit = max(int(rate_mbit * 1e6 / 8 * queue_ms / 1e3), 128 << 10)
+    _sh([*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "bfifo", "limit", str(limit)])
+    # IPv4 total length (offset 2) below 1024: the top six bits clear.
+    _sh([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+         "u32", "match", "u16", "0x0000", "0xfc00", "at", "2", "flowid", "1:10"])
+
+
 class NetnsCluster:
     """Hosts on bridges; build with :meth:`add_host`, tear down with :meth:`close`.
 
     Args:
         workdir: logs and boot-id files go here.
         bridges: how many bridges (networks); NIC ``k`` of every host is on bridge ``k``.
+        mtu: of every veth and bridge (1500 as a veth's default; 9000 for jumbo frames:
+            a sixth of the packets, so of the kernel's per-packet work, for bulk TCP).
 
     The root namespace gets the address ``.254`` on every bridge, so the test process
     can reach servers running in hosts (it runs no NIXL itself).
     """
 
-    def __init__(self, workdir: pathlib.Path, bridges: int = 1) -> None:
+    def __init__(self, workdir: pathlib.Path, bridges: int = 1, mtu: int = 1500) -> None:
         global _counter
         reason = netns_available()
         if reason is not None:
@@ -444,12 +478,13 @@ class NetnsCluster:
         self.hosts: list[Host] = []
         self.bridges: list[str] = []
         self.subnets: list[str] = []
+        self.mtu = mtu
         # 10.<100..199>.<counter*4 + bridge>.0/24: distinct for parallel owners (pids).
         second = 100 + pid % 100
         try:
             for b in range(bridges):
                 name = f"{self.prefix}b{b}"
-                _sh(["ip", "link", "add", name, "type", "bridge"])
+                _sh(["ip", "link", "add", name, "mtu", str(mtu), "type", "bridge"])
                 self.bridges.append(name)
                 subnet = f"10.{second}.{_counter * 4 + b}"
                 self.subnets.append(subnet)
@@ -480,7 +515,8 @@ class NetnsCluster:
         for k in range(nics):
             outer = f"{self.prefix}{index:02d}{k}"
             inner_tmp = f"{outer}p"
-            _sh(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner_tmp])
+            _sh(["ip", "link", "add", outer, "mtu", str(self.mtu), "type", "veth", "peer",
+                 "name", inner_tmp, "mtu", str(self.mtu)])
             _sh(["ip", "link", "set", inner_tmp, "netns", host.netns])
             _sh(["ip", "link", "set", outer, "master", self.bridges[k]])
             _sh(["ip", "link", "set", outer, "up"])

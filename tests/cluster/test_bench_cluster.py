@@ -41,6 +41,10 @@ def test_cluster_bench_quick_reports_striping_and_fanout_and_leaves_nothing(
     relay = result["relay"]["uniform"]
     assert relay["1"]["paths"] == [1] and relay["2"]["paths"] == [1, 2]  # a chain of two
     assert relay["2"]["last_s"] > 0 and relay["2"]["vs_one"] > 0
+    split = relay["2"]["cpu_s"]  # where the CPU of the window went, [user, system]
+    assert set(split) == {"server", "origin", "bench", "softirq", "agents", "busiest_agent"}
+    assert sum(split["agents"]) > 0 and sum(split["server"]) > 0, split
+    assert relay["2"]["origin_tx_bytes_per_packet"] > 0
     owner = f"{PREFIX}{proc.pid % (1 << 24):06x}"
     left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     left += subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -18,6 +18,20 @@ _LISTEN = ("import socket;s=socket.socket();s.bind(('0.0.0.0',5000));s.listen();
 _SEND = "import socket,sys;s=socket.create_connection((sys.argv[1],5000));s.sendall(b'x'*(4<<20))"
 
 
+# One UDP datagram of 8000 bytes sent with "don't fragment" (IP_PMTUDISC_DO), and a
+# listener that prints the size of what it received.
+_UDP_LISTEN = ("import socket;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);"
+               "s.bind(('0.0.0.0',5001));print('{}',flush=True);d=s.recv(65536);"
+               "print('{\"n\": %d}' % len(d), flush=True)")
+_UDP_SEND_DF = ("import socket,sys;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);"
+                "s.setsockopt(socket.IPPROTO_IP,10,2);"  # IP_MTU_DISCOVER, IP_PMTUDISC_DO
+                "s.sendto(b'x'*8000,(sys.argv[1],5001))")
+
+
+_UDP_SEND_SMALL = ("import socket,sys;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);"
+                   "s.sendto(b'x'*100,(sys.argv[1],5001))")
+
+
 def _host_facts(proc) -> list[str]:  # noqa: ANN001
     out, _ = proc.proc.communicate(timeout=30)
     assert proc.proc.returncode == 0, proc.tail()
@@ -73,6 +87,63 @@ def test_bytes_cross_the_bridge_and_the_nic_counters_and_tbf_see_them(
     assert listener.json_line(60) == {"n": 4 << 20}
     assert b.nic_bytes()[0] - rx0 >= 4 << 20
     assert a.nic_bytes()[1] - tx0 >= 4 << 20
+
+
+def test_a_cluster_of_jumbo_frames_carries_them_unfragmented_between_hosts(
+        tmp_path: pathlib.Path) -> None:
+    """mtu=9000 (bench/cluster.py --mtu): every veth end and the bridge have it, and an
+    8000-byte datagram that may not be fragmented crosses from host to host."""
+    require_netns()
+    with NetnsCluster(tmp_path, mtu=9000) as cluster:
+        a, b = cluster.add_host("a"), cluster.add_host("b")
+        for dev in (cluster.bridges[0], a.nic().outer, b.nic().outer):
+            assert pathlib.Path(f"/sys/class/net/{dev}/mtu").read_text().strip() == "9000"
+        assert b.exec(["cat", "/sys/class/net/eth0/mtu"]).stdout.strip() == "9000"
+        listener = b.run(["python3", "-c", _UDP_LISTEN], "udp-listen")
+        listener.json_line(30)
+        sender = a.run(["python3", "-c", _UDP_SEND_DF, b.ip], "udp-send")
+        assert sender.wait(30) == 0, sender.tail()  # EMSGSIZE if a link's MTU were smaller
+        assert listener.json_line(30) == {"n": 8000}
+    assert cluster.leftovers() == []
+
+
+def test_small_first_shaping_sends_small_packets_in_their_own_class(
+        netns: NetnsCluster) -> None:
+    """shape(small_first=True) (bench/cluster.py --small-first): an htb tree at the rate
+    whose class for packets under 1 KiB sees the small datagrams, and whose bulk class
+    sees the 4 MiB a TCP sender pushes; every byte arrives."""
+    a, b = netns.add_host("a"), netns.add_host("b")
+    a.shape(200, small_first=True)
+
+    def sent_by_class() -> dict[str, int]:
+        out = a.exec(["tc", "-s", "class", "show", "dev", "eth0"]).stdout
+        counts, cls = {}, ""
+        for line in out.splitlines():
+            words = line.split()
+            if words[:2] == ["class", "htb"]:
+                cls = words[2]
+            elif words[:1] == ["Sent"]:
+                counts[cls] = int(words[3])  # "Sent <bytes> bytes <packets> pkt"
+        return counts
+
+    qdiscs = a.exec(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+    assert "htb" in qdiscs and "bfifo" in qdiscs, qdiscs
+    before = sent_by_class()
+    listener = b.run(["python3", "-c", _UDP_LISTEN], "udp-listen")
+    listener.json_line(30)
+    small = a.run(["python3", "-c", _UDP_SEND_SMALL, b.ip], "udp-send")
+    assert small.wait(30) == 0, small.tail()
+    assert listener.json_line(30) == {"n": 100}
+    mid = sent_by_class()
+    assert mid["1:10"] - before.get("1:10", 0) >= 1
+    bulk_listener = b.run(["python3", "-c", _LISTEN], "listen")
+    bulk_listener.json_line(30)
+    sender = a.run(["python3", "-c", _SEND, b.ip], "send")
+    assert sender.wait(60) == 0, sender.tail()
+    assert bulk_listener.json_line(60) == {"n": 4 << 20}
+    after = sent_by_class()
+    assert after["1:20"] - mid.get("1:20", 0) >= 1000  # the bulk's packets
+    assert after["1:10"] - mid["1:10"] >= 1  # its ACK-sized packets (SYN, FIN) stay small
 
 
 def test_a_link_set_down_cuts_the_host_off(netns: NetnsCluster) -> None:
