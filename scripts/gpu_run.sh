@@ -108,6 +108,10 @@ PY
     tests)
       python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/transfer tests/p2p tests/vmm \
         tests/shm_arena 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+      # the local transport's GPU cases (CUDA IPC, VMM fds, host <-> GPU) in their own
+      # pytest: tests/local's conftest clashes with tests/p2p's in one invocation
+      python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/local 2>&1 \
+        | tee "$OUT/pytest_gpu_local.log" | tail -25
       ;;
     transfer)
       python3 bench/transfer.py --gpu --repeat 3 2>&1 | tee "$OUT/bench_transfer_gpu.log" | tail -25
