@@ -54,14 +54,15 @@ Links: ``--mtu`` sets every veth's and bridge's MTU (default 1500; 9000 for jumb
 frames, ~50 KB packets instead of ~1.8 KB, a tenth of the softirq time);
 ``--small-first`` (relay) shapes with ``htb``, packets under 1 KiB (requests, ACKs)
 ahead of the bulk, as a host's fair queue serves sparse flows (this kernel has no
-``fq_codel``); ``--queue-ms`` is the bulk queue's depth.
+``fq_codel``); ``--queue-ms`` is the bulk queue's depth. ``--env KEY=VALUE`` (relay)
+sets a variable for the origin and the agents, e.g. UCX's TCP segment sizes.
 
 ``achieved`` is the pull's data-plane rate (``gbps`` of its result: first READ to last
 byte) in Mbit/s.
 
 Usage: sudo python bench/cluster.py [--cap 400] [--targets 2,4,8] [--stripes 2,4] [--quick]
        [--only relay] [--relay-model uniform,minilm] [--relay-chunk 2097152] [--queue-ms 100]
-       [--relay-no-out] [--mtu 1500] [--small-first]
+       [--relay-no-out] [--mtu 1500] [--small-first] [--env KEY=VALUE ...]
 Prints progress lines on stderr, then ONE JSON object on the last line of stdout.
 """
 
@@ -302,22 +303,23 @@ def bench_fanout(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.
 def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.Path,
                 sizes: list[int], checkpoint: pathlib.Path | None, model: str,
                 chunk: int, queue_ms: float = 100.0, write_out: bool = True,
-                small_first: bool = False) -> dict[str, Any]:
+                small_first: bool = False, extra_env: dict[str, str] | None = None
+                ) -> dict[str, Any]:
     """N targets started at once through the fleet relay (see the module docstring)."""
     tag = "u" if checkpoint is not None else "m"
     origin = cluster.add_host(f"{tag}org")
     targets = [cluster.add_host(f"{tag}r{i}") for i in range(max(sizes))]
     for h in [origin, *targets]:
         h.shape(cap, queue_ms=queue_ms, small_first=small_first)
-    pub = fleet.publish(origin, checkpoint=checkpoint, model=model)
+    pub = fleet.publish(origin, checkpoint=checkpoint, model=model, env=extra_env)
     info = pub.json_line(START_DEADLINE_S)
     identity = info["identity"]["id"]
     with fleet.client() as c:
         nbytes = sum(e["nbytes"] for e in c.get_source(info["source_id"]).manifest["tensors"])
     out: dict[str, Any] = {"bytes": nbytes, "t1_s": round(nbytes * 8 / (cap * 1e6), 3),
                            "chunk_bytes": chunk, "queue_ms": queue_ms, "write_out": write_out,
-                           "small_first": small_first}
-    env = {"MX_RELAY_CHUNK_BYTES": str(chunk), "MX_TRANSFER_STALL_S": "10"}
+                           "small_first": small_first, "env": extra_env or {}}
+    env = {"MX_RELAY_CHUNK_BYTES": str(chunk), "MX_TRANSFER_STALL_S": "10", **(extra_env or {})}
     for n in sorted({1, *sizes}):
         hosts = targets[:n]
         ids = [f"{tag}rel{n}-{h.name}" for h in hosts]
@@ -410,9 +412,15 @@ def main() -> None:
     parser.add_argument("--small-first", action="store_true",
                         help="relay: shape links with htb, packets under 1 KiB (requests, "
                         "ACKs) first, as a host's fair queue serves sparse flows")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="relay: set in the origin's and the agents' environment (e.g. "
+                        "UCX_TCP_TX_SEG_SIZE=256k); repeatable")
     parser.add_argument("--queue-ms", type=float, default=100.0,
                         help="tbf queue (latency) of the relay part's links, in ms")
     args = parser.parse_args()
+    bad = [kv for kv in args.env if "=" not in kv or not kv.split("=", 1)[0]]
+    if bad:
+        parser.error(f"--env takes KEY=VALUE, got {bad[0]!r}")
     reason = netns_available()
     if reason is not None:
         raise SystemExit(f"bench/cluster.py {reason}")
@@ -453,7 +461,8 @@ def main() -> None:
                 result["relay"][which] = bench_relay(cluster, fleet, args.cap, work, sizes,
                                                      ckpt, name, args.relay_chunk,
                                                      args.queue_ms, not args.relay_no_out,
-                                                     args.small_first)
+                                                     args.small_first,
+                                                     dict(kv.split("=", 1) for kv in args.env))
     result["wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(result))
 
