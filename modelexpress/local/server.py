@@ -323,13 +323,9 @@ class LocalSource(ClosedOnCollect):
         on the CI machine, most of a local pull's connect; bench/local.py --host)."""
         while True:
             conn = self._handoff.get()
-            if conn is None:
+            if conn is None or self._stop.is_set():
                 return
-            self._serve_peer(conn)
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                self._idle += 1
+            self._serve_peer(conn, then_idle=True)
 
     def _refuse_after_hello(self, conn: socket.socket, reason: str) -> None:
         try:
@@ -351,7 +347,10 @@ class LocalSource(ClosedOnCollect):
         finally:
             conn.close()
 
-    def _serve_peer(self, conn: socket.socket) -> None:
+    def _serve_peer(self, conn: socket.socket, then_idle: bool = False) -> None:
+        """One peer's handshake and hold; ``then_idle``: the calling peer thread counts
+        as idle again in the same step that frees the peer's slot, so a peer that
+        connects right after this one left finds it (not a new thread)."""
         key = conn.fileno()
         peer = _peer_name(conn)
         handed = False
@@ -378,8 +377,14 @@ class LocalSource(ClosedOnCollect):
                 self.counters["failed"] += 1
             log.warning("local source %s: %s: %s", self.source_id, peer, exc)
         finally:
+            # ORDER: the slot is freed before the socket closes: a connection accepted
+            # after the close may get the same descriptor number, the key of its slot
+            # (a refused peer's slot was freed before its refusal closed the socket).
             with self._lock:
-                self._peers.pop(key, None)
+                if not handed:
+                    self._peers.pop(key, None)
+                if then_idle and not self._stop.is_set():
+                    self._idle += 1
             if not handed:
                 conn.close()
 
