@@ -23,8 +23,13 @@ Prints one line per N (time to the last live target, its ratio to ``T1`` (one mo
 over one link), the fan-out the planner chose, the origin's bytes in models), then
 one JSON object on the last line.
 
+With ``--fanout auto`` the fan-out is the server's choice
+(:func:`~modelexpress.p2p.relay_plan.choose_fanout`, with the server's hop lag
+``relay_plan.HOP_CHUNKS`` unless ``--hop-chunks`` says otherwise).
+
 Usage: python bench/fleet_sim.py [--n 1,2,4,8,16,64,256,1000] [--link 400]
-       [--bytes 90.9e6] [--chunk 2097152] [--fanout auto|R] [--fail 0.0] [--seed 1]
+       [--bytes 90.9e6] [--chunk 2097152] [--fanout auto|R] [--hop-chunks H]
+       [--fail 0.0] [--seed 1]
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ import random
 import sys
 from typing import Any
 
-from modelexpress.p2p.relay_plan import (Holder, assign, choose_fanout, source_ref,
-                                         transfer_ref)
+from modelexpress.p2p.relay_plan import (HOP_CHUNKS, Holder, assign, choose_fanout,
+                                         source_ref, transfer_ref)
 
 
 class _Target:
@@ -56,7 +61,8 @@ class _Target:
 
 def simulate(n: int, *, model_bytes: float, chunk_bytes: float, link_mbit: float,
              origin_mbit: float, fanout: int | None, advert_s: float, overhead_s: float,
-             fail: float, stall_s: float, seed: int) -> dict[str, Any]:
+             fail: float, stall_s: float, seed: int,
+             hop_chunks: float = HOP_CHUNKS) -> dict[str, Any]:
     """One scale-up of ``n`` targets; see the module docstring for the model."""
     rng = random.Random(seed)
     chunks = max(1, math.ceil(model_bytes / chunk_bytes))
@@ -65,7 +71,7 @@ def simulate(n: int, *, model_bytes: float, chunk_bytes: float, link_mbit: float
     origin_up = origin_mbit * 1e6 / 8
     t1 = model_bytes / link
     origin = source_ref("origin")
-    r = fanout or choose_fanout(n, chunks)
+    r = fanout or choose_fanout(n, chunks, hop_chunks=hop_chunks)
     targets = [_Target(i) for i in range(n)]
     readers: dict[str, int] = {origin: 0}
     holders = [Holder(origin, True, uplink_mbit=origin_mbit)]
@@ -158,6 +164,9 @@ def main() -> None:
     p.add_argument("--bytes", type=float, default=90.9e6)
     p.add_argument("--chunk", type=float, default=float(2 << 20))
     p.add_argument("--fanout", default="auto")
+    p.add_argument("--hop-chunks", type=float, default=HOP_CHUNKS,
+                   help="the planner's idea of a hop's lag in chunks (default: the server's, "
+                        "relay_plan.HOP_CHUNKS) for --fanout auto")
     p.add_argument("--advert-ms", type=float, default=20.0)
     p.add_argument("--chunk-overhead-ms", type=float, default=5.0)
     p.add_argument("--fail", type=float, default=0.0)
@@ -170,7 +179,8 @@ def main() -> None:
                        origin_mbit=args.origin_link or args.link,
                        fanout=None if args.fanout == "auto" else int(args.fanout),
                        advert_s=args.advert_ms / 1e3, overhead_s=args.chunk_overhead_ms / 1e3,
-                       fail=args.fail, stall_s=args.stall_s, seed=args.seed)
+                       fail=args.fail, stall_s=args.stall_s, seed=args.seed,
+                       hop_chunks=args.hop_chunks)
         rows.append(row)
         print(f"N={n:5d} fanout={row['fanout']} last={row['last_s']} s "
               f"({row['ratio']} x T1) origin sent {row['origin_models']} models",

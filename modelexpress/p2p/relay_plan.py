@@ -25,11 +25,12 @@ Chain or tree
 With equal links, a pipelined **chain** (origin -> t1 -> t2 -> ... -> tN, each
 target reading chunk ``i`` from its predecessor while the predecessor reads chunk
 ``i + 1``) uses every uplink once at the full link rate, and the last target
-finishes after ``T1 x (1 + (N - 1) / K)`` for ``K`` chunks per model: within 1.3x of
-one target alone for ``N - 1 <= 0.3 K``. A tree of fan-out ``r`` gives each child
-``1 / r`` of its parent's uplink (leaves' uplinks stay idle), so it needs
-``r x T1 x (1 + (depth - 1) / K)`` with ``depth ~ log_r N``: at least twice a chain
-until ``N`` exceeds about ``K``, but it grows with ``log N`` instead of ``N``. So the
+finishes after ``T1 x (1 + (N - 1) h / K)`` for ``K`` chunks per model, where a hop
+lags ``h`` chunks (:data:`HOP_CHUNKS`): within 1.3x of one target alone for
+``(N - 1) h <= 0.3 K``. A tree of fan-out ``r`` gives each child ``1 / r`` of its
+parent's uplink (leaves' uplinks stay idle), so it needs
+``r x T1 x (1 + (depth - 1) h / K)`` with ``depth ~ log_r N``: at least twice a chain
+until ``N h`` exceeds about ``K``, but it grows with ``log N`` instead of ``N``. So the
 planner builds a chain while the fleet is small against the chunk count and an
 ``r``-ary tree beyond (:func:`choose_fanout` compares the two predictions); the
 choice is made at each claim, from the transfers live then, not when a transfer is
@@ -48,10 +49,16 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["Holder", "Assignment", "assign", "choose_fanout", "predicted_t1",
+__all__ = ["Holder", "Assignment", "HOP_CHUNKS", "assign", "choose_fanout", "predicted_t1",
            "tensor_chunks", "chunks_of", "source_ref", "transfer_ref", "parse_ref"]
 
 _MAX_FANOUT = 8
+HOP_CHUNKS = 3.5
+"""How far behind its holder a relay reader runs, in chunks' time at the link rate:
+the chunk itself, the reader's window of two chunks in flight, and the advert's poll
+(measured: ~150 ms for 512 KiB chunks at 100 Mbit/s, 42 ms a chunk: bench/cluster.py,
+docs/benchmarks.md "Fleet relay"). A planner that took one chunk kept chains far past
+the point where a tree is faster."""
 
 
 def source_ref(source_id: str) -> str:
@@ -130,21 +137,23 @@ def _tree_depth(n: int, fanout: int) -> int:
     return depth
 
 
-def predicted_t1(n: int, chunks: int, fanout: int) -> float:
-    """Time to the last of ``n`` targets in units of ``T1``, equal links, no overheads:
-    ``fanout x (1 + (depth - 1) / chunks)`` (see the module docstring)."""
+def predicted_t1(n: int, chunks: int, fanout: int, hop_chunks: float = HOP_CHUNKS) -> float:
+    """Time to the last of ``n`` targets in units of ``T1``, equal links:
+    ``fanout x (1 + (depth - 1) x hop_chunks / chunks)`` (see the module docstring),
+    where a hop makes its reader lag ``hop_chunks`` chunks' time behind its holder."""
     if n <= 0:
         return 0.0
     depth = _tree_depth(n, fanout)
-    return fanout * (1.0 + (depth - 1) / max(chunks, 1))
+    return fanout * (1.0 + (depth - 1) * hop_chunks / max(chunks, 1))
 
 
-def choose_fanout(n: int, chunks: int, max_fanout: int = _MAX_FANOUT) -> int:
+def choose_fanout(n: int, chunks: int, max_fanout: int = _MAX_FANOUT,
+                  hop_chunks: float = HOP_CHUNKS) -> int:
     """The reader limit per holder that :func:`predicted_t1` says finishes ``n``
     targets of a ``chunks``-chunk model first (ties: the smaller)."""
-    best, best_t = 1, predicted_t1(n, chunks, 1)
+    best, best_t = 1, predicted_t1(n, chunks, 1, hop_chunks)
     for r in range(2, max(max_fanout, 1) + 1):
-        t = predicted_t1(n, chunks, r)
+        t = predicted_t1(n, chunks, r, hop_chunks)
         if t < best_t - 1e-12:
             best, best_t = r, t
     return best

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from modelexpress.p2p.relay_plan import (Holder, assign, choose_fanout, parse_ref,
+from modelexpress.p2p.relay_plan import (HOP_CHUNKS, Holder, assign, choose_fanout, parse_ref,
                                          predicted_t1, source_ref, tensor_chunks,
                                          transfer_ref)
 
@@ -64,7 +64,15 @@ def test_a_fast_origin_serves_as_many_chains_as_its_uplink_fits() -> None:
 def test_the_fanout_is_a_chain_until_the_fleet_outgrows_the_chunk_count() -> None:
     assert choose_fanout(8, chunks=44) == 1
     assert choose_fanout(1000, chunks=44) > 1
-    assert predicted_t1(8, 44, 1) == pytest.approx(1 + 7 / 44)
+    assert predicted_t1(8, 44, 1, hop_chunks=1) == pytest.approx(1 + 7 / 44)
+    assert predicted_t1(8, 44, 1) == pytest.approx(1 + 7 * HOP_CHUNKS / 44)
+    # a binary tree of 20 is 4 deep: 2 x (1 + 3 h / 44) against a chain's 1 + 19 h / 44
+    assert predicted_t1(20, 44, 2) == pytest.approx(2 * (1 + 3 * HOP_CHUNKS / 44))
+
+
+def test_a_hop_that_lags_longer_turns_the_chain_into_a_tree_sooner() -> None:
+    assert choose_fanout(20, chunks=44, hop_chunks=1) == 1
+    assert choose_fanout(20, chunks=44) == 2  # the measured hop (HOP_CHUNKS)
 
 
 def test_tensor_chunks_are_whole_tensors_and_a_large_tensor_is_its_own_chunk() -> None:
