@@ -239,29 +239,41 @@ def test_tensor_parallel_2_each_rank_pulls_its_own(ckpt, logs, server) -> None:
             assert _answers(b) == expected
 
 
-def test_an_engine_relays_the_pieces_it_verified_while_it_receives(ckpt, logs, server) -> None:
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_an_engine_relays_the_pieces_it_verified_while_it_receives(ckpt, logs, server, mode,
+                                                                   tmp_path) -> None:
     """Engines that start together relay (``MX_RELAY``, on by default): B pulls from A
     (its rate capped, so it is still receiving), a pull started meanwhile is planned
     behind B and reads the pieces B verified, and B withdraws its relay before vLLM
     post-processes its weights, then answers as A. The local transport is off, as
-    between hosts: a same-host origin is read through it instead of a relay."""
+    between hosts: a same-host origin is read through it instead of a relay. Both as
+    ``--enforce-eager`` engines and with vLLM's default compilation (each engine a
+    compile cache of its own: B compiles after its pull, as a new replica does)."""
     from modelexpress.identity import ModelIdentity
     from modelexpress.p2p import PullOptions, pull
     from modelexpress.settings import MxSettings
 
-    env = _mx_env(server, MX_IPC_DIR="off")
-    with Engine(ckpt, name="A-relay", log_dir=logs, load_format="mx", env=env,
-                extra_args=_extra_config("relay")) as a:
-        a.start().wait_ready()
+    eager = mode == "eager"
+    ready_s = 240.0 if eager else 420.0
+    case = "relay" if eager else "relay-compiled"
+
+    def cache(name: str) -> dict[str, str]:
+        return {} if eager else {"VLLM_CACHE_ROOT": str(tmp_path / f"cache-{name}")}
+
+    env = _mx_env(server, MX_IPC_DIR="off", **cache("a"))
+    with Engine(ckpt, name=f"A-relay-{mode}", log_dir=logs, load_format="mx", env=env,
+                extra_args=_extra_config(case), enforce_eager=eager) as a:
+        a.start().wait_ready(ready_s)
         expected = _answers(a)
         (source_id,) = _source_ids(a)
         slow = _mx_env(server, MX_IPC_DIR="off", MX_TRANSFER_MAX_GBPS="0.01",
-                       MX_RELAY_CHUNK_BYTES=str(1 << 20))
+                       MX_RELAY_CHUNK_BYTES=str(1 << 20), **cache("b"))
         with _client(server) as client, _weights_away(ckpt):
             origin = client.get_source(source_id)
             total = sum(int(t["nbytes"]) for t in origin.manifest["tensors"])
-            with Engine(ckpt, name="B-relay", log_dir=logs, load_format="mx", env=slow,
-                        extra_args=_extra_config("relay", mx_serve_after_pull=False)) as b:
+            with Engine(ckpt, name=f"B-relay-{mode}", log_dir=logs, load_format="mx", env=slow,
+                        extra_args=_extra_config(case, mx_serve_after_pull=False),
+                        enforce_eager=eager) as b:
                 b.start()
                 deadline = time.monotonic() + 240.0
                 rec_b = None
@@ -276,7 +288,7 @@ def test_an_engine_relays_the_pieces_it_verified_while_it_receives(ckpt, logs, s
                               options=PullOptions.from_settings(
                                   MxSettings(ipc_dir="off"), relay_read=True,
                                   relay_chunk_bytes=1 << 20))
-                b.wait_ready()
+                b.wait_ready(ready_s)
                 _assert_pulled(b)
                 assert _answers(b) == expected
                 log = b.log_text()
@@ -287,6 +299,9 @@ def test_an_engine_relays_the_pieces_it_verified_while_it_receives(ckpt, logs, s
     assert rec_c.relay_path == (f"t:{rec_b.id}", f"s:{source_id}"), rec_c.relay_path
     assert rec_b.state == rec_c.state == "SUCCEEDED"
     assert result.verified and result.bytes == total  # every tensor checked: A's digests
+    if not eager:  # B compiled into its own cache after its pull
+        assert "enforce_eager=False" in log, b.log_tail()
+        assert any((tmp_path / "cache-b" / "torch_compile_cache").rglob("*")), b.log_tail()
     withdrawn = log.find(f"relay of transfer {rec_b.id} withdrawn")
     # withdrawn inside pull(), which returns before the loader post-processes
     assert 0 <= withdrawn < log.find("loaded from peer"), b.log_tail()
