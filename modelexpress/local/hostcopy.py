@@ -232,12 +232,14 @@ class _Stream:
     __slots__ = ("name", "base", "nbytes", "want", "h", "view", "fed")
 
     def __init__(self, name: str, tensor: "torch.Tensor", want: str, h: Any) -> None:
-        import torch
         self.name, self.want, self.h = name, want, h
         self.base = tensor.data_ptr()
         self.nbytes = tensor.numel() * tensor.element_size()
-        raw = tensor.reshape(-1).view(torch.uint8) if self.nbytes else None
-        self.view = memoryview(raw.numpy()) if raw is not None else memoryview(b"")
+        # A view of the destination's bytes by address (the tensor is contiguous host
+        # memory, kept alive by the caller): ~2 us, where torch's view + numpy took
+        # ~15 us a tensor, a third of a millisecond of a 70 MB pull's set-up.
+        self.view = (memoryview((ctypes.c_ubyte * self.nbytes).from_address(self.base))
+                     if self.nbytes else memoryview(b""))
         self.fed = 0
 
 

@@ -69,6 +69,7 @@ The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128`
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -101,7 +102,9 @@ _BLOCK = 4096  # words per row of the two-reduction form; divides _CHUNK_WORDS
 _MASK = (1 << 64) - 1
 
 
+@functools.cache
 def _xxhash_available() -> bool:
+    # Cached: a streaming hasher per tensor asks it (a find_spec is ~3 us each).
     return importlib.util.find_spec("xxhash") is not None
 
 
