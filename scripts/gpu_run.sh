@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (two H200s; see ../shared/GPU.md). Usage:
 #   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-8b p2p-nodigest digest
-#                                       local-first shm host-copy shm-ab vmm vllm-stage vllm-engine
-#                                       vllm-pytest
+#                                       local-first shm host-copy local-host shm-ab vmm vllm-stage
+#                                       vllm-engine vllm-pytest
 # `setup` installs the carried wheels (.whl-gpu, built by scripts/build_gpu_carry.sh:
 # nixl-cu13, pydantic-settings, fastapi, uvicorn...) into /tmp/site, the project in
 # editable mode (which builds the C extensions for this machine's Python), and checks
@@ -143,6 +143,10 @@ PY
       ;;
     host-copy)
       python3 bench/host_copy.py 2>&1 | tee "$OUT/bench_host_copy_gpu_host.log" | tail -12
+      ;;
+    local-host)  # bench/local.py --host on this host's 16 cores (issue #24: the CI VM has 2)
+      python3 bench/local.py --host ${LOCAL_HOST_ARGS:---rounds 7 --fresh-rounds 5} 2>&1 |
+        tee "$OUT/bench_local_host_gpu_host.log" | tail -6
       ;;
     shm-ab)  # the vLLM MessageQueue A/B/C on this 32-core host: carry .vllm-gpu
       # (scripts/pack_vllm_gpu.sh) instead of .whl-gpu; the C extension must be

@@ -1,17 +1,26 @@
 """Host-to-host copies of the local transport: parallel reads, digests in the same pass.
 
 A pull whose source and destination are both host memory is a copy from the
-source's memfds into the destination tensors. :class:`HostCopier` runs each chunk of
-the plan on a few threads (``pread`` releases the GIL; see
+source's memfds (or its checkpoint file's page cache) into the destination tensors.
+:class:`HostCopier` cuts each chunk of the plan into pieces and runs them on a few
+threads (``pread`` releases the GIL; see
 :meth:`~modelexpress.local.memory.HostMapping.read_into` for why not a copy from the
-mapping). Digests are checked one of two ways:
+mapping); the threads take the pieces in address order, one at a time, from one
+shared counter, so a large tensor spreads over every thread and a thread that is
+slowed down (a busy core) holds up nothing but its own piece. Digests are checked
+one of two ways:
 
-* :class:`DigestsInPass` (xxh3, blake2b: hashes that stream): each tensor's part of a
-  chunk goes to one thread, which reads it in pieces of :data:`_HOT_PIECE_BYTES` and
-  feeds each piece to the tensor's hasher while it is still in the CPU's cache; a
-  second pass over the landed bytes reads them back from memory (``pread_n`` against
-  the pull in bench/local.py --host; docs/benchmarks.md, "Local transport on host
-  memory").
+* :class:`DigestsInPass` (xxh3, blake2b: hashes that stream): a tensor's hasher must
+  see its bytes in order, while its pieces land on several threads in any order. The
+  thread that lands the piece its tensor's hasher waits for hashes it, and then every
+  piece of that tensor landed after it by the others, while the bytes are still in
+  the CPU's caches (one hasher per tensor at a time; a thread that finds the hasher
+  busy leaves its piece to it and takes the next one)::
+
+    piece k of tensor T lands ─> T's next byte?  yes: hash k, k+1, ... (all landed)
+                                                 no:  leave it for T's hasher
+
+  (``bench/local.py --host``; docs/benchmarks.md, "Local transport on host memory").
 * :class:`DigestsAlongside` (the others, e.g. ``wsum-i32-v1`` of a GPU source): each
   tensor's digest as soon as its last byte has landed, on its own threads, while the
   next chunks are copied::
@@ -22,8 +31,8 @@ mapping). Digests are checked one of two ways:
 
 Chunks are the plan's (in source-address order, so the bytes done after a chunk are
 a prefix of the tensors in that order); stop, deadline and liveness are still checked
-between chunks by the caller. A chunk's threads all finish before the next chunk
-starts, so a tensor spanning chunks is fed to its hasher in order.
+between chunks by the caller. Every piece of a chunk has landed, and been hashed,
+before :meth:`HostCopier.copy` returns.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import bisect
 import concurrent.futures
 import ctypes
 import errno
+import itertools
 import logging
 import os
 import threading
@@ -51,13 +61,16 @@ __all__ = ["DigestsAlongside", "DigestsInPass", "HostCopier", "copy_threads",
 log = logging.getLogger(__name__)
 
 # A chunk's copies are cut into pieces of at most this many bytes, so that one large
-# tensor spreads over every thread; smaller copies are dealt out whole.
+# tensor spreads over every thread; smaller copies are pieces of their own. A piece is
+# hashed right after it lands (DigestsInPass), from the CPU's caches, and costs some
+# GIL-held Python (~10-20 us) that every thread shares: on the 16-core GPU host a 1 GiB
+# pull took 44 ms in 8 MiB pieces, 47 in 4 MiB and 49 in 2 MiB (docs/benchmarks.md).
 _PIECE_BYTES = 8 << 20
-_MAX_THREADS = 8
+# Threads of one copy: a 16-core host read its page cache at 26 GB/s on 8 threads and
+# 36 GB/s on 16 (pread, 1 GiB; a libc memcpy of the same bytes: 34 and 37 GB/s).
+_MAX_THREADS = 16
 # Below this a chunk is copied on the calling thread: handing it out costs more.
 _INLINE_BYTES = 1 << 20
-# Read-then-hash step of DigestsInPass: small enough to stay in a core's L2 cache.
-_HOT_PIECE_BYTES = 1 << 20
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -133,8 +146,8 @@ os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def copy_threads() -> int:
-    """Threads a host copy uses: the CPUs this process may run on, at most 8 (a cap:
-    a copy is bound by memory bandwidth; more threads were not measured)."""
+    """Threads a host copy uses: the CPUs this process may run on, at most
+    :data:`_MAX_THREADS` (a copy is bound by memory bandwidth before that)."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -154,82 +167,81 @@ class HostCopier:
         self.mapping = mapping
         self.threads = threads or copy_threads()
 
-    def _deal(self, copies: Sequence[tuple[int, int, int, int]]) -> list[list[tuple[int, int, int, int]]]:
-        """Pieces dealt to the threads, about the same bytes each, in address order."""
-        total = sum(c[3] for c in copies)
-        share = -(-total // self.threads)
-        piece = max(1, min(_PIECE_BYTES, share))
-        lanes: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.threads)]
-        filled = [0] * self.threads
-        lane = 0
-        for seg, off, dst, n in copies:
-            pos = 0
-            while pos < n:
-                take = min(piece, n - pos)
-                lanes[lane].append((seg, off + pos, dst + pos, take))
-                filled[lane] += take
-                pos += take
-                if filled[lane] >= share and lane < self.threads - 1:
-                    lane += 1
-        return [lane for lane in lanes if lane]
-
     def copy(self, copies: Sequence[tuple[int, int, int, int]],
              in_pass: "DigestsInPass | None" = None) -> None:
         """Copy every run (hashing each tensor's bytes as they land when ``in_pass``);
-        returns once all landed.
+        returns once all landed (and were hashed).
 
         Raises:
             BackendError: a read failed (after every other piece has finished: nothing
                 still writes into the destination when this returns or raises).
         """
         total = sum(c[3] for c in copies)
-        post: list[Any] = []
         if in_pass is not None:
-            lanes, post = in_pass.lanes(copies, 1 if total < _INLINE_BYTES else self.threads)
-            work: Any = in_pass.run_lane
+            pieces = in_pass.pieces(copies, _PIECE_BYTES)
         else:
-            lanes = [copies] if self.threads == 1 or total < _INLINE_BYTES else self._deal(copies)
-            work = self._lane
-        if len(lanes) <= 1:
-            for lane in lanes:
-                work(self.mapping, lane)
-        else:
-            # The calling thread copies the first lane itself, the process's copy
-            # threads the others: no thread is started or woken for the first lane.
-            futures = [_copy_pool().submit(work, self.mapping, lane) for lane in lanes[1:]]
-            failed: BaseException | None = None
-            try:
-                work(self.mapping, lanes[0])
-            except BaseException as exc:  # noqa: BLE001 - raised below, after the others
-                failed = exc
-            # ORDER: wait for every piece before raising, so a failed piece never leaves
-            # another one writing into memory the caller is about to reuse or free.
-            concurrent.futures.wait(futures)
-            if failed is not None:
-                raise failed
-            for f in futures:
-                f.result()
-        if post:
-            assert in_pass is not None
-            in_pass.feed(post)
-
-    @staticmethod
-    def _lane(mapping: "HostMapping", copies: Sequence[tuple[int, int, int, int]]) -> None:
-        read = mapping.read_into
-        for seg, off, dst, n in copies:
-            if not mapping.from_file(seg):
-                _prefault(dst, n)
-            read(seg, off, dst, n)
+            pieces = [(seg, off + a, dst + a, min(_PIECE_BYTES, n - a), None)
+                      for seg, off, dst, n in copies for a in range(0, n, _PIECE_BYTES)]
+        workers = 1 if total < _INLINE_BYTES else min(self.threads, len(pieces))
+        if workers <= 1:
+            _Pieces(self.mapping, pieces).run()
+            return
+        job = _Pieces(self.mapping, pieces)
+        # The calling thread copies too, the process's copy threads beside it: no thread
+        # is started, and none is woken for a copy the caller does alone.
+        futures = [_copy_pool().submit(job.run) for _ in range(workers - 1)]
+        failed: BaseException | None = None
+        try:
+            job.run()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the others
+            failed = exc
+        # ORDER: wait for every piece before raising, so a failed piece never leaves
+        # another one writing into memory the caller is about to reuse or free.
+        concurrent.futures.wait(futures)
+        if failed is not None:
+            raise failed
+        for f in futures:
+            f.result()
 
     def close(self) -> None:
         """(Nothing to release: the copy threads are the process's, see
         :func:`_copy_pool`; a copy has returned only once all its pieces finished.)"""
 
 
-class _Stream:
-    """One destination tensor's hasher and how many of its bytes it was fed."""
+class _Pieces:
+    """One copy's pieces ``(segment, offset, dst, nbytes, stream | None)``, taken one at
+    a time, in order, by every thread that runs :meth:`run` (``next`` on an
+    ``itertools.count`` is atomic under the GIL)."""
 
-    __slots__ = ("name", "base", "nbytes", "want", "h", "view", "fed")
+    __slots__ = ("mapping", "pieces", "_next")
+
+    def __init__(self, mapping: "HostMapping", pieces: Sequence[Any]) -> None:
+        self.mapping = mapping
+        self.pieces = pieces
+        self._next = itertools.count()
+
+    def run(self) -> None:
+        mapping, pieces, take = self.mapping, self.pieces, self._next
+        read, from_file = mapping.read_into, mapping.from_file
+        n_pieces = len(pieces)
+        while True:
+            k = next(take)
+            if k >= n_pieces:
+                return
+            seg, off, dst, n, stream = pieces[k]
+            if not from_file(seg):
+                _prefault(dst, n)
+            read(seg, off, dst, n)
+            if stream is not None:
+                stream.landed(dst, n)
+
+
+class _Stream:
+    """One destination tensor's hasher, how many of its bytes it was fed, and the
+    pieces landed beyond that, waiting for it (:meth:`landed`)."""
+
+    __slots__ = ("name", "base", "nbytes", "want", "h", "view", "fed", "_waiting",
+                 "_hashing", "_lock")
 
     def __init__(self, name: str, tensor: "torch.Tensor", want: str, h: Any) -> None:
         self.name, self.want, self.h = name, want, h
@@ -241,6 +253,31 @@ class _Stream:
         self.view = (memoryview((ctypes.c_ubyte * self.nbytes).from_address(self.base))
                      if self.nbytes else memoryview(b""))
         self.fed = 0
+        self._waiting: dict[int, int] = {}  # offset in the tensor -> bytes landed there
+        self._hashing = False
+        self._lock = threading.Lock()
+
+    def landed(self, dst: int, n: int) -> None:
+        """``n`` bytes landed at ``dst`` (inside this tensor): hash them now if they are
+        the next the hasher needs, and then whatever landed after them meanwhile; else
+        leave them to the thread hashing this tensor now or to the one that lands the
+        bytes before them."""
+        with self._lock:
+            self._waiting[dst - self.base] = n
+            if self._hashing:
+                return
+            self._hashing = True
+        while True:
+            # ORDER: only the thread that set _hashing reads or moves fed and h; a piece
+            # added under the lock while it hashes is found by its next look, and it
+            # clears _hashing under the same lock, so no landed piece is left unhashed.
+            with self._lock:
+                take = self._waiting.pop(self.fed, 0)
+                if not take:
+                    self._hashing = False
+                    return
+            self.h.update(self.view[self.fed:self.fed + take])
+            self.fed += take
 
 
 class DigestsInPass:
@@ -268,56 +305,20 @@ class DigestsInPass:
         self._bases = [r[0] for r in ranges]
         self._ranges = ranges
 
-    def lanes(self, copies: Sequence[tuple[int, int, int, int]], threads: int
-              ) -> tuple[list[list[Any]], list[tuple[_Stream, int, int]]]:
-        """The chunk's runs cut at tensor boundaries, each tensor's part given whole to
-        one lane (largest first, to the least loaded lane); and the parts to hash after
-        the copy (:meth:`feed`)."""
-        parts: list[tuple[int, int, int, int, _Stream | None]] = []
+    def pieces(self, copies: Sequence[tuple[int, int, int, int]], piece_bytes: int
+               ) -> list[tuple[int, int, int, int, "_Stream | None"]]:
+        """The chunk's runs cut at tensor boundaries and into pieces of at most
+        ``piece_bytes``, in address order, each with the stream of its tensor (None:
+        bytes of no digested tensor)."""
+        out: list[tuple[int, int, int, int, _Stream | None]] = []
         for seg, off, dst, n in copies:
             pos = 0
             while pos < n:
                 stream, until = self._stream_at(dst + pos)
-                take = min(n - pos, until - (dst + pos))
-                parts.append((seg, off + pos, dst + pos, take, stream))
+                take = min(n - pos, until - (dst + pos), piece_bytes)
+                out.append((seg, off + pos, dst + pos, take, stream))
                 pos += take
-        units: dict[int, list[Any]] = {}  # a tensor's parts stay on one lane
-        for part in parts:
-            units.setdefault(id(part[4]) if part[4] is not None else -len(units) - 1,
-                             []).append(part)
-        ordered = sorted(units.values(), key=lambda u: -sum(p[3] for p in u))
-        total = sum(p[3] for p in parts)
-        threads = max(1, threads)
-        post: list[tuple[_Stream, int, int]] = []
-        if threads > 1 and ordered and sum(p[3] for p in ordered[0]) > 1.25 * total / threads:
-            # One tensor outweighs a lane's share: on one lane it would copy at one
-            # thread's speed. Its bytes are copied on every lane instead and hashed after
-            # the chunk, in order, on the calling thread (from memory: slower per byte
-            # than in the pass, faster than a copy at half speed).
-            big = ordered.pop(0)
-            post = [(p[4], p[2], p[3]) for p in big if p[4] is not None]
-            for seg, off, dst, n, _ in big:
-                step = -(-n // threads)
-                ordered.extend([[(seg, off + a, dst + a, min(step, n - a), None)]
-                                for a in range(0, n, step)])
-        lanes: list[list[Any]] = [[] for _ in range(threads)]
-        load = [0] * len(lanes)
-        for unit in ordered:
-            k = load.index(min(load))
-            lanes[k].extend(unit)
-            load[k] += sum(p[3] for p in unit)
-        for lane in lanes:
-            lane.sort(key=lambda p: p[2])  # ORDER: a tensor's bytes reach its hasher in order
-        return [lane for lane in lanes if lane], post
-
-    @staticmethod
-    def feed(post: Sequence[tuple[_Stream, int, int]]) -> None:
-        """Hash parts copied without hashing (see :meth:`lanes`), in order."""
-        for stream, dst, n in post:
-            at = dst - stream.base
-            assert at == stream.fed, "a tensor's bytes were hashed out of order"
-            stream.h.update(stream.view[at:at + n])
-            stream.fed += n
+        return out
 
     def _stream_at(self, addr: int) -> tuple[_Stream | None, int]:
         """The stream whose tensor holds ``addr`` (None: bytes of no digested tensor) and
@@ -327,23 +328,6 @@ class DigestsInPass:
             return self._streams[self._ranges[k][2]], self._ranges[k][1]
         nxt = self._bases[k + 1] if k + 1 < len(self._bases) else 1 << 64
         return None, nxt
-
-    @staticmethod
-    def run_lane(mapping: "HostMapping", parts: Sequence[Any]) -> None:
-        read = mapping.read_into
-        for seg, off, dst, n, stream in parts:
-            if not mapping.from_file(seg):
-                _prefault(dst, n)
-            pos = 0
-            while pos < n:
-                take = min(_HOT_PIECE_BYTES, n - pos)
-                read(seg, off + pos, dst + pos, take)
-                if stream is not None:
-                    at = dst + pos - stream.base
-                    assert at == stream.fed, "a tensor's bytes were hashed out of order"
-                    stream.h.update(stream.view[at:at + take])
-                    stream.fed += take
-                pos += take
 
     def landed(self, done: int) -> None:
         """(Interface of :class:`DigestsAlongside`; nothing to do here.)"""

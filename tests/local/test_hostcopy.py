@@ -11,6 +11,7 @@ import torch
 
 from modelexpress.errors import IntegrityError
 from modelexpress.local import HostBuffer, HostMapping, LocalEndpoint, pull
+from modelexpress.local import hostcopy
 from modelexpress.local.hostcopy import DigestsAlongside, DigestsInPass, HostCopier, digests_for
 from modelexpress.local.protocol import Segment
 from modelexpress.transfer import digest
@@ -65,9 +66,9 @@ def _copies(mapping: HostMapping, pairs, dst, chunk: int):  # type: ignore[no-un
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("algo", [digest.XXH3, digest.BLAKE2B])
 def test_digests_in_the_copy_pass_equal_the_digests_of_the_landed_bytes(seed, threads, algo):
-    """Tensors split across chunks, one tensor outweighing the others (it is copied on
-    every lane and hashed after its chunk), tiny and empty tensors, a tensor without a
-    digest: every byte lands and every digest is checked."""
+    """Tensors split across chunks, one tensor outweighing the others (its pieces land
+    on every thread, in any order, and are hashed in order), tiny and empty tensors, a
+    tensor without a digest: every byte lands and every digest is checked."""
     sizes = [3 << 20, 5, 0, 9 << 20, 4097, 1 << 20, 77, 6 << 20]
     buf, spans = _source(sizes, seed)
     mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
@@ -87,6 +88,43 @@ def test_digests_in_the_copy_pass_equal_the_digests_of_the_landed_bytes(seed, th
     finally:
         mapping.close()
         buf.close()
+
+
+@pytest.mark.parametrize("algo", [digest.XXH3, digest.BLAKE2B])
+def test_pieces_landing_out_of_order_on_several_threads_are_hashed_in_order(seed, algo):
+    """A tensor's pieces land on 4 threads in a shuffled order (the last first): its
+    hasher still sees its bytes in order, each once, and the digest is the tensor's."""
+    import random
+    import threading
+
+    from modelexpress.local.hostcopy import _Stream
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (3 << 20 | 123,), dtype=torch.uint8, generator=g)
+    n = data.numel()
+    cuts = sorted({0, n, *random.Random(seed).sample(range(1, n), 40)})
+    pieces = [(data.data_ptr() + a, b - a) for a, b in zip(cuts, cuts[1:])]
+    order = list(reversed(pieces[:5])) + random.Random(seed + 1).sample(pieces[5:],
+                                                                        len(pieces) - 5)
+    stream = _Stream("t", data, digest.digest(data, algo), digest.hasher(algo))
+    queue = iter(order)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                piece = next(queue, None)
+            if piece is None:
+                return
+            stream.landed(*piece)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert stream.fed == n
+    assert digest.stream_digest(stream.h, stream.fed) == stream.want
 
 
 def test_a_wrong_digest_is_named_after_a_copy_with_digests_in_the_pass(seed):
@@ -137,24 +175,27 @@ def _copy_threads() -> list[int]:
 
 
 def test_copy_threads_are_the_processes_and_a_failed_lane_waits_for_the_others(seed):
-    """The calling thread copies a lane itself and the process's copy threads the
-    others, kept from one copy to the next; a lane that fails on the calling thread
-    raises only after every other lane has landed."""
+    """The calling thread copies pieces itself and the process's copy threads the
+    others, kept from one copy to the next; a piece that fails raises only after every
+    other piece has landed."""
     from modelexpress.errors import BackendError
     buf, spans = _source([6 << 20], seed)
     mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
     try:
         dst = torch.zeros(6 << 20, dtype=torch.uint8)
         copier = HostCopier(mapping, threads=3)
-        copier.copy([(0, 0, dst.data_ptr(), 6 << 20)])
+        thirds = [(0, a, dst.data_ptr() + a, 2 << 20) for a in (0, 2 << 20, 4 << 20)]
+        copier.copy(thirds)  # three pieces: the caller and two copy threads
         first = _copy_threads()
-        assert 1 <= len(first) <= 2  # at most threads - 1: the caller copies too
-        copier.copy([(0, 0, dst.data_ptr(), 6 << 20)])
+        # the process's pool: started by this copy or by an earlier one in this process
+        # (on a many-core machine, an earlier copy of 16 threads may have started 15)
+        assert 1 <= len(first) <= hostcopy._MAX_THREADS - 1  # the caller copies too
+        copier.copy(thirds)
         assert _copy_threads() == first
         assert torch.equal(dst, buf.tensor(0, (6 << 20,), torch.uint8))
         dst.zero_()
-        # Lane 0 (the calling thread's: the first pieces in address order) reads into
-        # an address that is not mapped; lanes 1 and 2 land their bytes all the same.
+        # The first piece reads into an address that is not mapped; the other one lands
+        # its bytes all the same.
         bad = [(0, 0, 4096, 2 << 20), (0, 2 << 20, dst.data_ptr() + (2 << 20), 4 << 20)]
         with pytest.raises(BackendError, match="failed"):
             copier.copy(bad)
@@ -174,7 +215,8 @@ def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
     mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
     try:
         landed = torch.empty(4 << 20, dtype=torch.uint8)
-        HostCopier(mapping, threads=2).copy([(0, 0, landed.data_ptr(), 4 << 20)])
+        halves = [(0, a, landed.data_ptr() + a, 2 << 20) for a in (0, 2 << 20)]
+        HostCopier(mapping, threads=2).copy(halves)  # two pieces: a copy thread takes one
         assert _copy_threads()
         want = bytes(buf.tensor(0, (4 << 20,), torch.uint8).numpy())
         pid = os.fork()
@@ -182,7 +224,8 @@ def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
             code = 1
             try:
                 out = (ctypes.c_ubyte * (4 << 20))()
-                HostCopier(mapping, threads=2).copy([(0, 0, ctypes.addressof(out), 4 << 20)])
+                HostCopier(mapping, threads=2).copy(
+                    [(0, a, ctypes.addressof(out) + a, 2 << 20) for a in (0, 2 << 20)])
                 code = 0 if bytes(out) == want else 2
             finally:
                 os._exit(code)
