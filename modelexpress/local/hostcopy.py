@@ -183,10 +183,10 @@ class HostCopier:
             pieces = [(seg, off + a, dst + a, min(_PIECE_BYTES, n - a), None)
                       for seg, off, dst, n in copies for a in range(0, n, _PIECE_BYTES)]
         workers = 1 if total < _INLINE_BYTES else min(self.threads, len(pieces))
-        if workers <= 1:
-            _Pieces(self.mapping, pieces).run()
-            return
         job = _Pieces(self.mapping, pieces)
+        if workers <= 1:
+            job.run()
+            return
         # The calling thread copies too, the process's copy threads beside it: no thread
         # is started, and none is woken for a copy the caller does alone.
         futures = [_copy_pool().submit(job.run) for _ in range(workers - 1)]
