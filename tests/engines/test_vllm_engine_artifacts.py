@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -60,6 +61,19 @@ def server(logs: pathlib.Path) -> Iterator[ServerProc]:
     srv = ServerProc(f"sqlite:///{logs}/mx.db", logs, env={"MX_STALE_AFTER_S": "600"}).start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def source(ckpt: pathlib.Path, logs: pathlib.Path, server: ServerProc,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    """A: loads from disk, compiles, serves its weights and its artifacts (signed with
+    ``KEY``). One A for the tests below that need a compiled single-rank source: a
+    compiled engine's start is most of their time (CI's budget, see README)."""
+    cache = tmp_path_factory.mktemp("source") / "cache-a"
+    with _engine(ckpt, "A-compiled", logs, server, cache, case="ttr").start() as a:
+        ready = a.wait_ready(READY_S)
+        _wait_for(a, _SERVING)
+        yield SimpleNamespace(engine=a, cache=cache, ready=ready, expected=_answers(a))
 
 
 def _engine(ckpt: pathlib.Path, name: str, logs: pathlib.Path, server: ServerProc,
@@ -106,63 +120,60 @@ _SERVING = r"serving compiled artifacts of rank \d+"
 _HIT = r"compiled artifacts hit for"
 
 
-def test_pulled_engine_gets_compiled_artifacts_with_the_weights(ckpt, logs, server,
+def test_pulled_engine_gets_compiled_artifacts_with_the_weights(ckpt, logs, server, source,
                                                                 tmp_path) -> None:
-    with _engine(ckpt, "A-compiled", logs, server, tmp_path / "cache-a", case="ttr").start() as a:
-        a_ready = a.wait_ready(READY_S)
-        _wait_for(a, _SERVING)
-        expected = _answers(a)
-        assert "compiled artifacts miss" in a.log_text() or "no READY source serves artifact" \
-            in a.log_text(), a.log_tail()
+    a, expected = source.engine, source.expected
+    assert "compiled artifacts miss" in a.log_text() or "no READY source serves artifact" \
+        in a.log_text(), a.log_tail()
 
-        # B: weights and artifacts from A; empty cache root
-        hits_before = _artifact_metric(server, "hit")
-        with _weights_away(ckpt), _engine(ckpt, "B-pulled", logs, server, tmp_path / "cache-b",
-                                           case="ttr").start() as b:
-            b_ready = b.wait_ready(READY_S)
-            _wait_for(b, _HIT)
-            log = b.log_text()
-            assert "loaded from peer" in log, b.log_tail()
-            assert re.search(r"installed \d+ compiled-artifact files", log), b.log_tail()
-            # the model-info cache came before vLLM configured the engine (the plugin)
-            assert "installed vLLM's model-info cache" in log, b.log_tail()
-            assert _answers(b) == expected
-            assert _artifact_metric(server, "hit") == hits_before + 1
-        # the install went under B's own cache root, in vLLM's layout
-        assert list((tmp_path / "cache-b").glob("torch_compile_cache/torch_aot_compile/*/rank_0_0"))
-        assert not list((tmp_path / "cache-b").rglob(".mx-artifacts-staging-*"))
+    # B: weights and artifacts from A; empty cache root
+    hits_before = _artifact_metric(server, "hit")
+    with _weights_away(ckpt), _engine(ckpt, "B-pulled", logs, server, tmp_path / "cache-b",
+                                       case="ttr").start() as b:
+        b_ready = b.wait_ready(READY_S)
+        _wait_for(b, _HIT)
+        log = b.log_text()
+        assert "loaded from peer" in log, b.log_tail()
+        assert re.search(r"installed \d+ compiled-artifact files", log), b.log_tail()
+        # the model-info cache came before vLLM configured the engine (the plugin)
+        assert "installed vLLM's model-info cache" in log, b.log_tail()
+        assert _answers(b) == expected
+        assert _artifact_metric(server, "hit") == hits_before + 1
+    # the install went under B's own cache root, in vLLM's layout
+    assert list((tmp_path / "cache-b").glob("torch_compile_cache/torch_aot_compile/*/rank_0_0"))
+    assert not list((tmp_path / "cache-b").rglob(".mx-artifacts-staging-*"))
 
-        # C: the same checkpoint at another path: vLLM's cache key differs, ours does not
-        other = tmp_path / "elsewhere" / "tiny-llama"
-        shutil.copytree(ckpt, other)
-        with _engine(other, "C-other-path", logs, server, tmp_path / "cache-c",
-                     case="ttr").start() as c:
-            c_ready = c.wait_ready(READY_S)
-            _wait_for(c, _HIT)
-            assert "loaded from disk" in c.log_text(), c.log_tail()  # weights: path-named
-            assert _answers(c) == expected
-        a_dirs = {p.name for p in (tmp_path / "cache-a").glob("torch_compile_cache/torch_aot_compile/*")}
-        c_dirs = {p.name for p in (tmp_path / "cache-c").glob("torch_compile_cache/torch_aot_compile/*")}
-        assert a_dirs and c_dirs and not a_dirs & c_dirs, (a_dirs, c_dirs)
-    print(f"\ntime to ready: A (cold, from disk) {a_ready:.1f} s, B (weights + artifacts pulled)"
-          f" {b_ready:.1f} s, C (other path, artifacts pulled) {c_ready:.1f} s")
+    # C: the same checkpoint at another path: vLLM's cache key differs, ours does not
+    other = tmp_path / "elsewhere" / "tiny-llama"
+    shutil.copytree(ckpt, other)
+    with _engine(other, "C-other-path", logs, server, tmp_path / "cache-c",
+                 case="ttr").start() as c:
+        c_ready = c.wait_ready(READY_S)
+        _wait_for(c, _HIT)
+        assert "loaded from disk" in c.log_text(), c.log_tail()  # weights: path-named
+        assert _answers(c) == expected
+    a_dirs = {p.name for p in source.cache.glob("torch_compile_cache/torch_aot_compile/*")}
+    c_dirs = {p.name for p in (tmp_path / "cache-c").glob("torch_compile_cache/torch_aot_compile/*")}
+    assert a_dirs and c_dirs and not a_dirs & c_dirs, (a_dirs, c_dirs)
+    print(f"\ntime to ready: A (cold, from disk) {source.ready:.1f} s, B (weights + artifacts "
+          f"pulled) {b_ready:.1f} s, C (other path, artifacts pulled) {c_ready:.1f} s")
 
 
 def test_a_set_signed_with_another_key_is_refused_and_the_engine_compiles(ckpt, logs, server,
+                                                                         source,
                                                                          tmp_path) -> None:
-    with _engine(ckpt, "A-key", logs, server, tmp_path / "cache-a", case="key").start() as a:
-        a.wait_ready(READY_S)
-        _wait_for(a, _SERVING)
-        expected = _answers(a)
-        with _engine(ckpt, "D-other-key", logs, server, tmp_path / "cache-d", key=OTHER_KEY,
-                     case="key").start() as d:
-            d.wait_ready(READY_S)
-            log = d.log_text()
-            assert re.search(r"compiled artifacts refused: .*signed with another key", log), \
-                d.log_tail()
-            assert not re.search(r"installed \d+ compiled-artifact files", log), d.log_tail()
-            assert _answers(d) == expected
-            assert _artifact_metric(server, "refused") >= 1.0
+    """D: configured with another key than A's, it finds A's set, refuses it (nothing
+    installed), compiles as usual and answers right."""
+    refused_before = _artifact_metric(server, "refused")
+    with _engine(ckpt, "D-other-key", logs, server, tmp_path / "cache-d", key=OTHER_KEY,
+                 case="ttr").start() as d:
+        d.wait_ready(READY_S)
+        log = d.log_text()
+        assert re.search(r"compiled artifacts refused: .*signed with another key", log), \
+            d.log_tail()
+        assert not re.search(r"installed \d+ compiled-artifact files", log), d.log_tail()
+        assert _answers(d) == source.expected
+        assert _artifact_metric(server, "refused") >= refused_before + 1.0
     assert not list((tmp_path / "cache-d").rglob(".mx-artifacts-staging-*"))
 
 
