@@ -2,7 +2,8 @@
 
 A pull checks every tensor's digest where the tensor lives, so a digest slower than
 the link bounds the pull. This prints GB/s for each algorithm that can run here
-(``xxh3-128`` and ``blake2b-128`` on CPU tensors, ``wsum-i32-v1`` on CPU and, with
+(``xxh3-128-b8m``, ``xxh3-128`` and ``blake2b-128`` on CPU tensors (the block-wise
+``xxh3-128-b8m`` on every CPU this process may use), ``wsum-i32-v1`` on CPU and, with
 ``--gpu``, on cuda:0, in each of its forms: the shipped kernel loaded through the
 driver, the one-pass Triton kernel and torch ops, plus a batch of 248 mixed-size
 tensors as one chunk of a pull digests them, with the shipped and the Triton kernel)
@@ -79,7 +80,8 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - report a form that cannot run
                     print(f"{device}: {algo} ({impl}) cannot run: {exc}", file=sys.stderr)
                     continue
-                key = algo.split("-")[0] + ("" if impl == "auto" else f"_{impl}")
+                name = {digest.XXH3_BLOCKS: "xxh3b8m"}.get(algo, algo.split("-")[0])
+                key = name + ("" if impl == "auto" else f"_{impl}")
                 out[f"gbps_{key}_{tag}"] = nbytes / seconds / 1e9
                 out[f"ratio_{key}_vs_memcpy_{tag}"] = copy_s / seconds
                 print(f"{device}: {algo} ({impl}) {out[f'gbps_{key}_{tag}']:.2f} GB/s "

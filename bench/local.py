@@ -315,7 +315,8 @@ def serve_host(args: argparse.Namespace) -> None:
     src = LocalSource(args.ipc_dir, host_id=host_id())
     src.add_host_buffer(buf)
     manifest = build_manifest(tensors, agent_name="bench-local-host",
-                              attributes=publish_attributes(src))
+                              attributes=publish_attributes(src),
+                              digest_algorithm=args.digest or None)
     src.start()
     tmp = args.info + ".tmp"
     with open(tmp, "w") as f:
@@ -435,7 +436,8 @@ def _host_target(what: str, info_path: str, ckpt: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[str, Any]:
+def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
+              digest_algorithm: str = "") -> dict[str, Any]:
     import torch
 
     from modelexpress.checkpoint import LlamaShape, generate_llama_checkpoint, time_disk_load
@@ -447,10 +449,11 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3) -> dict[s
     generate_llama_checkpoint(ckpt, LlamaShape(**HOST_CASES[name]))
     info_path = os.path.join(tmp, f"info-{name}.json")
     info_memfd = os.path.join(tmp, f"info-{name}-memfd.json")
-    proc, info = _start_source(["--serve-host", ckpt, "--ipc-dir", os.path.join(tmp, "ipc")],
-                               info_path)
+    forced = ["--digest", digest_algorithm] if digest_algorithm else []
+    proc, info = _start_source(["--serve-host", ckpt, "--ipc-dir", os.path.join(tmp, "ipc"),
+                                *forced], info_path)
     proc_m, info_m = _start_source(["--serve-host", ckpt, "--ipc-dir", os.path.join(tmp, "ipc"),
-                                    "--memfd-only"], info_memfd)
+                                    "--memfd-only", *forced], info_memfd)
     try:
         endpoint = LocalEndpoint.from_json(info["endpoint"])
         endpoint_m = LocalEndpoint.from_json(info_m["endpoint"])
@@ -578,10 +581,10 @@ def host_main(args: argparse.Namespace) -> None:
         for name in args.cases.split(","):
             if name not in HOST_CASES:
                 raise SystemExit(f"unknown case {name!r}; allowed: {', '.join(HOST_CASES)}")
-            r = host_case(name, args.rounds, tmp, args.fresh_rounds)
+            r = host_case(name, args.rounds, tmp, args.fresh_rounds, args.digest)
             m, g = r["median_s"], r["gbps"]
             print(f"{name}: {r['bytes'] / 1e6:.1f} MB {r['tensors']} tensors, {r['rounds']} rounds, "
-                  f"{r['copy_threads']} copy threads | memcpy warm {g['memcpy_warm']} GB/s, "
+                  f"{r['copy_threads']} copy threads, digests {r['digest']} | memcpy warm {g['memcpy_warm']} GB/s, "
                   f"into fresh pages {g['memcpy_fresh']} GB/s | pull (verified) into fresh "
                   f"{m['pull_fresh']} s, into touched {m['pull_warm']} s | warm page-cache load "
                   f"{m['disk_warm']} s | ratios: pull touched / memcpy warm "
@@ -792,6 +795,8 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="CPU: host pulls vs memcpy vs disk")
     p.add_argument("--cases", default="1gib,70mb", help="--host: checkpoints to pull")
     p.add_argument("--rounds", type=int, default=5, help="--host: interleaved rounds")
+    p.add_argument("--digest", default="", help="--host: the source's digest algorithm "
+                   "(default: the library's, xxh3-128-b8m; xxh3-128 hashes each tensor whole)")
     p.add_argument("--fresh-rounds", type=int, default=3,
                    help="--host: rounds of the fresh-process load and pulls")
     p.add_argument("--gpu-first", action="store_true", help="GPU: first vs later pull")

@@ -20,6 +20,11 @@ one of two ways:
     piece k of tensor T lands ─> T's next byte?  yes: hash k, k+1, ... (all landed)
                                                  no:  leave it for T's hasher
 
+  With ``xxh3-128-b8m`` (the default digest of host tensors) each 8 MiB block of a
+  tensor has a hasher of its own and the pieces are cut at block boundaries, so a
+  piece is a block (or part of one, where a chunk ends inside it): the thread that
+  lands it hashes it at once, and a large tensor is hashed on every thread, not on
+  one after the copy.
   (``bench/local.py --host``; docs/benchmarks.md, "Local transport on host memory").
 * :class:`DigestsAlongside` (the others, e.g. ``wsum-i32-v1`` of a GPU source): each
   tensor's digest as soon as its last byte has landed, on its own threads, while the
@@ -48,6 +53,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from modelexpress import _threads
 from modelexpress.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -65,10 +71,9 @@ log = logging.getLogger(__name__)
 # hashed right after it lands (DigestsInPass), from the CPU's caches, and costs some
 # GIL-held Python (~10-20 us) that every thread shares: on the 16-core GPU host a 1 GiB
 # pull took 44 ms in 8 MiB pieces, 47 in 4 MiB and 49 in 2 MiB (docs/benchmarks.md).
+# The blocks of the default digest (xxh3-128-b8m) are as large, so a piece of a tensor
+# is one of its blocks, hashed as a whole by the thread that landed it.
 _PIECE_BYTES = 8 << 20
-# Threads of one copy: a 16-core host read its page cache at 26 GB/s on 8 threads and
-# 36 GB/s on 16 (pread, 1 GiB; a libc memcpy of the same bytes: 34 and 37 GB/s).
-_MAX_THREADS = 16
 # Below this a chunk is copied on the calling thread: handing it out costs more.
 _INLINE_BYTES = 1 << 20
 
@@ -116,43 +121,11 @@ def _prefault(addr: int, nbytes: int) -> None:
         _prefault_ok = False
 
 
-_pool_lock = threading.Lock()
-_pool: "tuple[int, concurrent.futures.ThreadPoolExecutor] | None" = None  # (pid, pool)
-
-
-def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's copy threads, started at its first parallel copy and kept.
-
-    Why kept: starting a thread costs ~0.4 ms on the CI machine (``Thread.start``
-    waits for the new thread to run), and a pool per pull started two of them for a
-    70 MB pull that copies in ~4 ms (profiled: bench/local.py --host, docs/benchmarks.md).
-    Idle threads wait on the pool's queue and cost nothing. Several pulls of one process
-    share them; a lane never waits for another lane, so sharing cannot deadlock. A
-    forked child gets a pool of its own (the parent's threads do not exist there)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
-                _MAX_THREADS - 1, thread_name_prefix="mx-local-copy"))
-        return _pool[1]
-
-
-def _forget_pool_in_child() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()  # the lock may have been held at the fork
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
 def copy_threads() -> int:
     """Threads a host copy uses: the CPUs this process may run on, at most
-    :data:`_MAX_THREADS` (a copy is bound by memory bandwidth before that)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(_MAX_THREADS, n))
+    :data:`~modelexpress._threads.MAX_THREADS` (a copy is bound by memory bandwidth
+    before that)."""
+    return _threads.cpu_threads()
 
 
 class HostCopier:
@@ -187,9 +160,10 @@ class HostCopier:
         if workers <= 1:
             job.run()
             return
-        # The calling thread copies too, the process's copy threads beside it: no thread
-        # is started, and none is woken for a copy the caller does alone.
-        futures = [_copy_pool().submit(job.run) for _ in range(workers - 1)]
+        # The calling thread copies too, the process's worker threads beside it
+        # (modelexpress._threads): no thread is started, and none is woken for a copy
+        # the caller does alone.
+        futures = [_threads.pool().submit(job.run) for _ in range(workers - 1)]
         failed: BaseException | None = None
         try:
             job.run()
@@ -205,7 +179,8 @@ class HostCopier:
 
     def close(self) -> None:
         """(Nothing to release: the copy threads are the process's, see
-        :func:`_copy_pool`; a copy has returned only once all its pieces finished.)"""
+        :mod:`modelexpress._threads`; a copy has returned only once all its pieces
+        finished.)"""
 
 
 class _Pieces:
@@ -237,30 +212,28 @@ class _Pieces:
 
 
 class _Stream:
-    """One destination tensor's hasher, how many of its bytes it was fed, and the
-    pieces landed beyond that, waiting for it (:meth:`landed`)."""
+    """One hasher over a destination range (a tensor, or one block of it for a
+    block-wise digest), how many of its bytes it was fed, and the pieces landed beyond
+    that, waiting for it (:meth:`landed`)."""
 
-    __slots__ = ("name", "base", "nbytes", "want", "h", "view", "fed", "_waiting",
-                 "_hashing", "_lock")
+    __slots__ = ("base", "nbytes", "h", "view", "fed", "_waiting", "_hashing", "_lock")
 
-    def __init__(self, name: str, tensor: "torch.Tensor", want: str, h: Any) -> None:
-        self.name, self.want, self.h = name, want, h
-        self.base = tensor.data_ptr()
-        self.nbytes = tensor.numel() * tensor.element_size()
+    def __init__(self, base: int, nbytes: int, h: Any) -> None:
+        self.base, self.nbytes, self.h = base, nbytes, h
         # A view of the destination's bytes by address (the tensor is contiguous host
         # memory, kept alive by the caller): ~2 us, where torch's view + numpy took
         # ~15 us a tensor, a third of a millisecond of a 70 MB pull's set-up.
-        self.view = (memoryview((ctypes.c_ubyte * self.nbytes).from_address(self.base))
-                     if self.nbytes else memoryview(b""))
+        self.view = (memoryview((ctypes.c_ubyte * nbytes).from_address(base))
+                     if nbytes else memoryview(b""))
         self.fed = 0
-        self._waiting: dict[int, int] = {}  # offset in the tensor -> bytes landed there
+        self._waiting: dict[int, int] = {}  # offset in the range -> bytes landed there
         self._hashing = False
         self._lock = threading.Lock()
 
     def landed(self, dst: int, n: int) -> None:
-        """``n`` bytes landed at ``dst`` (inside this tensor): hash them now if they are
+        """``n`` bytes landed at ``dst`` (inside this range): hash them now if they are
         the next the hasher needs, and then whatever landed after them meanwhile; else
-        leave them to the thread hashing this tensor now or to the one that lands the
+        leave them to the thread hashing this range now or to the one that lands the
         bytes before them."""
         with self._lock:
             self._waiting[dst - self.base] = n
@@ -281,7 +254,9 @@ class _Stream:
 
 
 class DigestsInPass:
-    """Per-tensor streaming hashers that the copy threads feed while copying.
+    """Streaming hashers that the copy threads feed while copying: one per tensor, or,
+    for a block-wise digest (``xxh3-128-b8m``), one per block of each tensor, so that
+    the blocks of one large tensor are hashed on several threads at once.
 
     Args:
         algorithm: the manifest's digest algorithm (it must have a
@@ -295,11 +270,23 @@ class DigestsInPass:
 
     def __init__(self, algorithm: str, order: Sequence[Any],
                  tensors: Mapping[str, "torch.Tensor"], peer: str) -> None:
-        from modelexpress.transfer.digest import hasher
+        from modelexpress.transfer.digest import block_bytes, hasher
         self.algorithm, self.peer = algorithm, peer
-        self._streams = [_Stream(p.name, tensors[p.name], p.remote.digest, hasher(algorithm))
-                         for p in order if p.remote.digest is not None]
-        # Destination ranges, sorted, to find the tensor a copied byte lands in.
+        block = block_bytes(algorithm)
+        # (name, expected digest, bytes, its streams in byte order)
+        self._tensors: list[tuple[str, str, int, list[_Stream]]] = []
+        self._streams: list[_Stream] = []
+        for p in order:
+            if p.remote.digest is None:
+                continue
+            t = tensors[p.name]
+            base, nbytes = t.data_ptr(), t.numel() * t.element_size()
+            step = block or nbytes or 1
+            parts = [_Stream(base + a, min(step, nbytes - a), hasher(algorithm))
+                     for a in range(0, nbytes or 1, step)]
+            self._tensors.append((p.name, p.remote.digest, nbytes, parts))
+            self._streams += parts
+        # Destination ranges, sorted, to find the stream a copied byte lands in.
         ranges = sorted((st.base, st.base + st.nbytes, i) for i, st in enumerate(self._streams)
                         if st.nbytes)
         self._bases = [r[0] for r in ranges]
@@ -307,8 +294,8 @@ class DigestsInPass:
 
     def pieces(self, copies: Sequence[tuple[int, int, int, int]], piece_bytes: int
                ) -> list[tuple[int, int, int, int, "_Stream | None"]]:
-        """The chunk's runs cut at tensor boundaries and into pieces of at most
-        ``piece_bytes``, in address order, each with the stream of its tensor (None:
+        """The chunk's runs cut at tensor (and block) boundaries and into pieces of at
+        most ``piece_bytes``, in address order, each with the stream of its range (None:
         bytes of no digested tensor)."""
         out: list[tuple[int, int, int, int, _Stream | None]] = []
         for seg, off, dst, n in copies:
@@ -321,8 +308,8 @@ class DigestsInPass:
         return out
 
     def _stream_at(self, addr: int) -> tuple[_Stream | None, int]:
-        """The stream whose tensor holds ``addr`` (None: bytes of no digested tensor) and
-        where that stops (its tensor's end, or the next digested tensor's start)."""
+        """The stream whose range holds ``addr`` (None: bytes of no digested tensor) and
+        where that stops (its range's end, or the next digested tensor's start)."""
         k = bisect.bisect_right(self._bases, addr) - 1
         if k >= 0 and addr < self._ranges[k][1]:
             return self._streams[self._ranges[k][2]], self._ranges[k][1]
@@ -341,13 +328,22 @@ class DigestsInPass:
         Raises:
             IntegrityError: a digest did not match, or a tensor was not fully fed.
         """
-        from modelexpress.transfer.digest import stream_digest
-        bad = [(s.name, s.want, stream_digest(s.h, s.fed) if s.fed == s.nbytes else
-                f"(only {s.fed} of {s.nbytes} bytes hashed)") for s in self._streams]
-        bad = [b for b in bad if b[1] != b[2]]
+        from modelexpress.transfer.digest import block_bytes, combine_blocks, stream_digest
+        blocks = block_bytes(self.algorithm) is not None
+        bad = []
+        for name, want, nbytes, parts in self._tensors:
+            fed = sum(st.fed for st in parts)
+            if fed != nbytes:
+                got = f"(only {fed} of {nbytes} bytes hashed)"
+            elif blocks:
+                got = combine_blocks([st.h for st in parts], nbytes)
+            else:
+                got = stream_digest(parts[0].h, nbytes)
+            if got != want:
+                bad.append((name, want, got))
         if bad:
             raise _mismatch(bad, self.algorithm, self.peer)
-        return len(self._streams)
+        return len(self._tensors)
 
     def close(self) -> None:
         """(Nothing to release.)"""

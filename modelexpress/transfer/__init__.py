@@ -6,7 +6,7 @@ Importing this package does not import NIXL or torch; they load on first use.
 
 from __future__ import annotations
 
-from modelexpress.transfer.digest import ALGORITHMS, BLAKE2B, WSUM, XXH3
+from modelexpress.transfer.digest import ALGORITHMS, BLAKE2B, WSUM, XXH3, XXH3_BLOCKS
 from modelexpress.transfer.manager import (
     NixlTransferManager,
     ProgressCallback,
@@ -32,6 +32,7 @@ __all__ = [
     "BLAKE2B",
     "WSUM",
     "XXH3",
+    "XXH3_BLOCKS",
     "FLOORS_GBPS",
     "Manifest",
     "NixlTransferManager",

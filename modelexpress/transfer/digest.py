@@ -1,12 +1,25 @@
 """Per-tensor digests, computed where the tensor lives.
 
-Three algorithms, named in the manifest so that source and target agree:
+Four algorithms, named in the manifest so that source and target agree:
+
+``xxh3-128-b8m`` (the default for CPU tensors)
+    ``xxh3-128`` of each 8 MiB block of the tensor's bytes (from its first byte; the
+    last block may be shorter), then, for a tensor of more than one block, ``xxh3-128``
+    of the blocks' 16-byte digests one after the other; a tensor of one block (8 MiB
+    or less) has its plain ``xxh3-128``. Why blocks: one hash of a whole tensor runs
+    on one thread, in byte order, and a large tensor's hash was the tail of a
+    many-core pull (a 131 MB embedding hashed at 4-6 GB/s while fifteen threads had
+    finished copying; docs/benchmarks.md). Blocks are hashed independently, on any
+    thread, as soon as each lands (the local transport's copy threads hash the block
+    they just copied, from the CPU's caches), and a source hashes a large tensor on
+    several threads. CPU tensors only, from the ``xxhash`` package.
 
 ``xxh3-128``
     xxHash's XXH3 128-bit over the tensor's bytes (a zero-copy numpy view), from the
     ``xxhash`` package. 22.6 GB/s here against 0.92 GB/s for blake2b (bench/digest.py): on a
     CPU target the digest check, not the transfer, bounded the pull with blake2b.
     CPU tensors only. A non-cryptographic hash: it guards against transfer faults.
+    Still verified (manifests published before ``xxh3-128-b8m``), no longer the default.
 
 ``blake2b-128``
     :func:`hashlib.blake2b` over the tensor's bytes (a zero-copy numpy view; hashlib
@@ -62,7 +75,7 @@ Three algorithms, named in the manifest so that source and target agree:
     finds the kernel ready. A step already running when a pull starts is not stopped.
     Loading the ``cuda`` kernel is one driver call, made on the pull's own thread.
 
-The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128``
+The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128-b8m``
 (``blake2b-128`` where ``xxhash`` is not installed).
 """
 
@@ -82,8 +95,9 @@ from modelexpress.errors import BackendError, ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALGORITHMS", "BLAKE2B", "IMPLS", "WSUM", "XXH3", "default_algorithm", "digest",
-           "digest_many", "can_compute", "forms_used", "hasher", "kernel_form", "kernel_state",
+__all__ = ["ALGORITHMS", "BLAKE2B", "BLOCK_BYTES", "IMPLS", "WSUM", "XXH3", "XXH3_BLOCKS",
+           "block_bytes", "combine_blocks", "default_algorithm", "digest", "digest_many",
+           "can_compute", "forms_used", "hasher", "kernel_form", "kernel_state",
            "pause_builds", "prepare", "resume_builds", "stream_digest", "wait_for_builds",
            "warm_up", "warm_up_for"]
 
@@ -92,7 +106,15 @@ log = logging.getLogger(__name__)
 BLAKE2B = "blake2b-128"
 WSUM = "wsum-i32-v1"
 XXH3 = "xxh3-128"
-ALGORITHMS = (BLAKE2B, WSUM, XXH3)
+XXH3_BLOCKS = "xxh3-128-b8m"
+ALGORITHMS = (BLAKE2B, WSUM, XXH3, XXH3_BLOCKS)
+# The blocks of xxh3-128-b8m. Part of the digest's definition: never change it (a new
+# size is a new algorithm name). 8 MiB is also the local transport's copy piece
+# (hostcopy._PIECE_BYTES), so a piece is a block.
+BLOCK_BYTES = 8 << 20
+# digest_many hashes a batch's blocks on several threads from this many bytes on.
+_PARALLEL_BYTES = 32 << 20
+_XXH3_FAMILY = (XXH3, XXH3_BLOCKS)
 IMPLS = ("auto", "cuda", "triton", "torch")  # digest_many's impl for wsum-i32-v1
 
 # Words per reduction step: 2**24 int32 words = 64 MiB of input, 128 MiB of int64
@@ -110,10 +132,10 @@ def _xxhash_available() -> bool:
 
 def default_algorithm(tensors: Iterable[torch.Tensor]) -> str:
     """``wsum-i32-v1`` if any tensor is on a GPU (it must be hashed there), else
-    ``xxh3-128`` (``blake2b-128`` without the xxhash package)."""
+    ``xxh3-128-b8m`` (``blake2b-128`` without the xxhash package)."""
     if any(t.device.type != "cpu" for t in tensors):
         return WSUM
-    return XXH3 if _xxhash_available() else BLAKE2B
+    return XXH3_BLOCKS if _xxhash_available() else BLAKE2B
 
 
 def can_compute(algorithm: str, tensor: torch.Tensor) -> bool:
@@ -122,7 +144,7 @@ def can_compute(algorithm: str, tensor: torch.Tensor) -> bool:
         return True
     if tensor.device.type != "cpu":
         return False
-    return algorithm == BLAKE2B or (algorithm == XXH3 and _xxhash_available())
+    return algorithm == BLAKE2B or (algorithm in _XXH3_FAMILY and _xxhash_available())
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -149,12 +171,60 @@ def _xxh3(tensor: torch.Tensor) -> str:
     return f"{h.hexdigest()}:{raw.numel()}"
 
 
+def _xxh3_blocks_many(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """``xxh3-128-b8m`` of each tensor; a batch of :data:`_PARALLEL_BYTES` or more is
+    hashed block by block on several threads (``xxhash`` releases the GIL)."""
+    import xxhash
+
+    from modelexpress import _threads
+
+    views = []
+    for t in tensors:
+        raw = _flat_bytes(t)
+        views.append(memoryview(raw.numpy()) if raw.numel() else memoryview(b""))
+    blocks = [v[a:a + BLOCK_BYTES] for v in views for a in range(0, len(v) or 1, BLOCK_BYTES)]
+    total = sum(len(v) for v in views)
+
+    def one(block: memoryview) -> bytes:
+        return xxhash.xxh3_128(block).digest()
+
+    done = (_threads.run_shared(blocks, one) if total >= _PARALLEL_BYTES
+            else [one(b) for b in blocks])
+    out, k = [], 0
+    for v in views:
+        n = max(1, -(-len(v) // BLOCK_BYTES))
+        out.append(_combine(done[k:k + n], len(v)))
+        k += n
+    return out
+
+
+def _combine(block_digests: Sequence[bytes], nbytes: int) -> str:
+    if len(block_digests) == 1:
+        return f"{block_digests[0].hex()}:{nbytes}"
+    import xxhash
+    return f"{xxhash.xxh3_128(b''.join(block_digests)).hexdigest()}:{nbytes}"
+
+
+def block_bytes(algorithm: str) -> int | None:
+    """The block size of a block-wise algorithm (each block hashed on its own, by
+    :func:`hasher`, then :func:`combine_blocks`), None for one hash per tensor."""
+    return BLOCK_BYTES if algorithm == XXH3_BLOCKS else None
+
+
+def combine_blocks(hashers: Sequence[object], nbytes: int) -> str:
+    """The ``"<hex>:<nbytes>"`` digest of a block-wise algorithm's tensor of ``nbytes``
+    bytes from one :func:`hasher` per block, in order, each fed its whole block."""
+    return _combine([h.digest() for h in hashers], nbytes)  # type: ignore[attr-defined]
+
+
 def hasher(algorithm: str):  # noqa: ANN201 - an xxhash / hashlib object, or None
     """A streaming hasher of ``algorithm`` (``update(buffer)``, ``hexdigest()``), or None
     where it has no streaming form here (``wsum-i32-v1``; xxh3 without xxhash). Its
     digest is :func:`stream_digest`'s, equal to :func:`digest` of the same bytes: a
-    copy can hash each piece while it is still in cache."""
-    if algorithm == XXH3 and _xxhash_available():
+    copy can hash each piece while it is still in cache. For a block-wise algorithm
+    (:func:`block_bytes`) it hashes one block; :func:`combine_blocks` makes the
+    tensor's digest."""
+    if algorithm in _XXH3_FAMILY and _xxhash_available():
         import xxhash
         return xxhash.xxh3_128()
     if algorithm == BLAKE2B:
@@ -582,9 +652,9 @@ def _check_cpu_algorithm(tensor: torch.Tensor, algorithm: str) -> None:
     if tensor.device.type != "cpu":
         raise ConfigError(f"{algorithm} is CPU-only and the tensor is on {tensor.device}; use "
                           f"{WSUM} (computed on the GPU) for GPU tensors")
-    if algorithm == XXH3 and not _xxhash_available():
-        raise ConfigError(f"the source's digests are {XXH3} and the xxhash package is not "
-                          "installed here: pip install xxhash, or pull with verify=False")
+    if algorithm in _XXH3_FAMILY and not _xxhash_available():
+        raise ConfigError(f"the source's digests are {algorithm} and the xxhash package is "
+                          "not installed here: pip install xxhash, or pull with verify=False")
 
 
 def digest_many(tensors: Sequence[torch.Tensor], algorithm: str, *,
@@ -618,12 +688,12 @@ def digest_many(tensors: Sequence[torch.Tensor], algorithm: str, *,
     if algorithm not in ALGORITHMS:
         raise ConfigError(
             f"unknown digest algorithm {algorithm!r}; allowed: {', '.join(ALGORITHMS)}")
-    one = _xxh3 if algorithm == XXH3 else _blake2b
-    out = []
     for t in tensors:
         _check_cpu_algorithm(t, algorithm)
-        out.append(one(t))
-    return out
+    if algorithm == XXH3_BLOCKS:
+        return _xxh3_blocks_many(tensors)
+    one = _xxh3 if algorithm == XXH3 else _blake2b
+    return [one(t) for t in tensors]
 
 
 def digest(tensor: torch.Tensor, algorithm: str) -> str:

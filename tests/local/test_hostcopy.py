@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
+from modelexpress import _threads
 from modelexpress.errors import IntegrityError
 from modelexpress.local import HostBuffer, HostMapping, LocalEndpoint, pull
-from modelexpress.local import hostcopy
 from modelexpress.local.hostcopy import DigestsAlongside, DigestsInPass, HostCopier, digests_for
 from modelexpress.local.protocol import Segment
 from modelexpress.transfer import digest
@@ -64,12 +64,14 @@ def _copies(mapping: HostMapping, pairs, dst, chunk: int):  # type: ignore[no-un
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("algo", [digest.XXH3, digest.BLAKE2B])
+@pytest.mark.parametrize("algo", [digest.XXH3_BLOCKS, digest.XXH3, digest.BLAKE2B])
 def test_digests_in_the_copy_pass_equal_the_digests_of_the_landed_bytes(seed, threads, algo):
     """Tensors split across chunks, one tensor outweighing the others (its pieces land
     on every thread, in any order, and are hashed in order), tiny and empty tensors, a
-    tensor without a digest: every byte lands and every digest is checked."""
-    sizes = [3 << 20, 5, 0, 9 << 20, 4097, 1 << 20, 77, 6 << 20]
+    tensor without a digest: every byte lands and every digest is checked. With 4 MiB
+    chunks a block of ``xxh3-128-b8m`` is cut in two by a chunk end (its hasher is fed
+    from two copies), and the 19 MiB tensor has three blocks, the last a short one."""
+    sizes = [3 << 20, 5, 0, 19 << 20 | 4097, 4097, 1 << 20, 77, 6 << 20]
     buf, spans = _source(sizes, seed)
     mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
     try:
@@ -105,7 +107,7 @@ def test_pieces_landing_out_of_order_on_several_threads_are_hashed_in_order(seed
     pieces = [(data.data_ptr() + a, b - a) for a, b in zip(cuts, cuts[1:])]
     order = list(reversed(pieces[:5])) + random.Random(seed + 1).sample(pieces[5:],
                                                                         len(pieces) - 5)
-    stream = _Stream("t", data, digest.digest(data, algo), digest.hasher(algo))
+    stream = _Stream(data.data_ptr(), n, digest.hasher(algo))
     queue = iter(order)
     lock = threading.Lock()
 
@@ -124,17 +126,18 @@ def test_pieces_landing_out_of_order_on_several_threads_are_hashed_in_order(seed
         t.join(30)
     assert not any(t.is_alive() for t in threads)
     assert stream.fed == n
-    assert digest.stream_digest(stream.h, stream.fed) == stream.want
+    assert digest.stream_digest(stream.h, stream.fed) == digest.digest(data, algo)
 
 
-def test_a_wrong_digest_is_named_after_a_copy_with_digests_in_the_pass(seed):
+@pytest.mark.parametrize("algo", [digest.XXH3_BLOCKS, digest.XXH3])
+def test_a_wrong_digest_is_named_after_a_copy_with_digests_in_the_pass(seed, algo):
     buf, spans = _source([2 << 20, 3 << 20], seed)
     mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
     try:
-        pairs = _pairs(buf, spans, digest.XXH3)
+        pairs = _pairs(buf, spans, algo)
         pairs[1].remote.digest = "0" * 32 + f":{3 << 20}"
         dst = {p.name: torch.empty(p.remote.nbytes, dtype=torch.uint8) for p in pairs}
-        check = digests_for(digest.XXH3, pairs, dst, "test peer")
+        check = digests_for(algo, pairs, dst, "test peer")
         copier = HostCopier(mapping, threads=2)
         for chunk in _copies(mapping, pairs, dst, chunk=1 << 30):
             copier.copy(chunk, check)
@@ -171,7 +174,7 @@ def test_wsum_digests_of_a_host_copy_run_alongside_it(seed):
 
 def _copy_threads() -> list[int]:
     import threading
-    return sorted(t.ident for t in threading.enumerate() if t.name.startswith("mx-local-copy"))
+    return sorted(t.ident for t in threading.enumerate() if t.name.startswith("mx-worker"))
 
 
 def test_copy_threads_are_the_processes_and_a_failed_lane_waits_for_the_others(seed):
@@ -189,7 +192,7 @@ def test_copy_threads_are_the_processes_and_a_failed_lane_waits_for_the_others(s
         first = _copy_threads()
         # the process's pool: started by this copy or by an earlier one in this process
         # (on a many-core machine, an earlier copy of 16 threads may have started 15)
-        assert 1 <= len(first) <= hostcopy._MAX_THREADS - 1  # the caller copies too
+        assert 1 <= len(first) <= _threads.MAX_THREADS - 1  # the caller copies too
         copier.copy(thirds)
         assert _copy_threads() == first
         assert torch.equal(dst, buf.tensor(0, (6 << 20,), torch.uint8))
@@ -258,10 +261,10 @@ def test_read_into_refuses_a_range_outside_its_segment_and_after_close():
     buf.close()
 
 
-@pytest.mark.parametrize("algo", [digest.BLAKE2B, digest.WSUM])
+@pytest.mark.parametrize("algo", [digest.BLAKE2B, digest.WSUM, digest.XXH3])
 def test_a_pull_verifies_each_digest_algorithm_a_source_may_publish(make_source, algo):
-    """Over the socket from a source process: blake2b (hashed in the pass) and wsum
-    (alongside) as well as the default xxh3 (the other tests)."""
+    """Over the socket from a source process: blake2b and plain xxh3 (hashed in the
+    pass) and wsum (alongside) as well as the default xxh3-128-b8m (the other tests)."""
     src = make_source(mib=8, digest_algorithm=algo)
     endpoint = LocalEndpoint.from_json(src.info["endpoint"])
     manifest = Manifest.from_json(src.info["manifest"])
