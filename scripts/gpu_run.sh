@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs on the device machine (two H200s; see ../shared/GPU.md). Usage:
 #   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-8b p2p-nodigest digest
-#                                       local-first shm host-copy local-host shm-ab vmm vllm-stage
+#                                       local-first shm host-copy local-host cluster shm-ab vmm vllm-stage
 #                                       vllm-engine vllm-pytest
 # `setup` installs the carried wheels (.whl-gpu, built by scripts/build_gpu_carry.sh:
 # nixl-cu13, pydantic-settings, fastapi, uvicorn...) into /tmp/site, the project in
@@ -147,6 +147,33 @@ PY
     local-host)  # bench/local.py --host on this host's 16 cores (issue #24: the CI VM has 2)
       python3 bench/local.py --host ${LOCAL_HOST_ARGS:---rounds 7 --fresh-rounds 5} 2>&1 |
         tee "$OUT/bench_local_host_gpu_host.log" | tail -6
+      ;;
+    cluster)  # issue #22: the namespaced fleet bench on this host's 16 cores (the CI VM
+      # has 2, and N = 8 measured its CPU). This host lacks iproute2: carry
+      # .netns-tools (scripts/build_netns_carry.sh). CLUSTER_ARGS: bench/cluster.py's.
+      if [ -x .netns-tools/bin/ip ]; then
+        rm -rf /tmp/netns-tools && cp -a .netns-tools /tmp/netns-tools
+      fi
+      export PATH=/tmp/netns-tools/bin:$PATH
+      { uname -r; id -u; command -v ip tc unshare nsenter mount
+        ip -V && ip netns add mxprobe && ip netns exec mxprobe ip link set lo up &&
+          ip netns del mxprobe && echo "netns: ok"
+        ip link add mxprobe0 type veth peer name mxprobe1 && echo "veth: ok" &&
+          tc qdisc add dev mxprobe0 root handle 1: htb default 20 && echo "htb: ok" &&
+          ip link del mxprobe0
+        ip link add mxprobebr type bridge && echo "bridge: ok" && ip link del mxprobebr
+      } 2>&1 | tee "$OUT/netns_probe.log"
+      grep -q "netns: ok" "$OUT/netns_probe.log" || { echo "no network namespaces here"; exit 1; }
+      # default: the issue's 400 Mbit/s with small packets first (a host's fair queue),
+      # then behind one FIFO per direction; CLUSTER_ARGS replaces both
+      base="--only relay --relay-model uniform --cap 400 --targets 2,4,8 --mtu 9000 --relay-no-out"
+      k=0
+      while IFS= read -r args; do
+        k=$((k + 1))
+        python3 bench/cluster.py $args > "$OUT/bench_cluster_$k.json" 2> "$OUT/bench_cluster_$k.log"
+        echo "bench/cluster.py $args: exit $?"; tail -4 "$OUT/bench_cluster_$k.log"
+      done <<< "${CLUSTER_ARGS:-$base --small-first
+$base}"
       ;;
     shm-ab)  # the vLLM MessageQueue A/B/C on this 32-core host: carry .vllm-gpu
       # (scripts/pack_vllm_gpu.sh) instead of .whl-gpu; the C extension must be

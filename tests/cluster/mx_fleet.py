@@ -25,8 +25,11 @@ from netns_cluster import Host, HostProcess, NetnsCluster
 __all__ = ["Fleet", "MODEL", "MX", "START_DEADLINE_S"]
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-# The console script next to this interpreter (the venv's modelexpress).
-MX = str(pathlib.Path(sys.executable).parent / "modelexpress")
+# The console script next to this interpreter (the venv's modelexpress); where the
+# package was installed without it there (the GPU machine's system Python puts scripts
+# elsewhere), the same CLI through the interpreter.
+_SCRIPT = pathlib.Path(sys.executable).parent / "modelexpress"
+MX: list[str] = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "modelexpress"]
 # torch + NIXL imports of up to ten processes at once on a 2-core machine.
 START_DEADLINE_S = 240.0
 SERVER_PORT = 8001
@@ -57,8 +60,10 @@ class Fleet:
     @staticmethod
     def _clean(extra: dict[str, str]) -> dict[str, str]:
         import os
+        # UCX_MODULE_DIR says where UCX's transports are (a NIXL wheel installed with
+        # --target, as on the GPU machine); every other UCX_ setting is the test's.
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("MX_", "UCX_"))}
+               if not k.startswith(("MX_", "UCX_")) or k == "UCX_MODULE_DIR"}
         env.update(extra)
         return env
 
@@ -92,14 +97,14 @@ class Fleet:
         """Start ``modelexpress publish`` of a checkpoint (default: all-MiniLM-L6-v2) in
         ``host`` (not waited for)."""
         from modelexpress.checkpoint import real_model_checkpoint
-        return host.run([MX, "publish", str(checkpoint or real_model_checkpoint()),
+        return host.run([*MX, "publish", str(checkpoint or real_model_checkpoint()),
                          "--model", model, "--json", "--worker-id", f"src-{host.name}"],
                         "publish", self.env(**(env or {})))
 
     def pull(self, host: Host, out: pathlib.Path, *, model: str = MODEL,
              args: Sequence[str] = (), env: dict[str, str] | None = None) -> HostProcess:
         """Start ``modelexpress pull --json`` into ``out`` in ``host`` (not waited for)."""
-        return host.run([MX, "pull", "--model", model, "--out", str(out), "--json", *args],
+        return host.run([*MX, "pull", "--model", model, "--out", str(out), "--json", *args],
                         "pull", self.env(**(env or {})))
 
     def agent(self, host: Host, agent_id: str, out: pathlib.Path | None, *,
@@ -107,7 +112,7 @@ class Fleet:
         """Start ``modelexpress agent`` in ``host`` (it runs REST-started transfers; with
         ``out`` None it keeps them in memory only, serving them onward)."""
         write = ["--out", str(out)] if out is not None else []
-        return host.run([MX, "agent", "--id", agent_id, *write, *args], "agent",
+        return host.run([*MX, "agent", "--id", agent_id, *write, *args], "agent",
                         self.env(**(env or {})))
 
     def wait_agents(self, ids: Sequence[str], deadline_s: float = START_DEADLINE_S) -> None:
