@@ -61,7 +61,7 @@ sets a variable for the origin and the agents, e.g. UCX's TCP segment sizes.
 byte) in Mbit/s.
 
 Usage: sudo python bench/cluster.py [--cap 400] [--targets 2,4,8] [--stripes 2,4] [--quick]
-       [--only relay] [--relay-model uniform,minilm] [--relay-chunk 2097152] [--queue-ms 100]
+       [--only relay] [--relay-model uniform,minilm] [--relay-chunk 4194304] [--queue-ms 100]
        [--relay-no-out] [--mtu 1500] [--small-first] [--env KEY=VALUE ...]
 Prints progress lines on stderr, then ONE JSON object on the last line of stdout.
 """
@@ -333,8 +333,10 @@ def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.P
     identity = info["identity"]["id"]
     with fleet.client() as c:
         nbytes = sum(e["nbytes"] for e in c.get_source(info["source_id"]).manifest["tensors"])
+    from modelexpress.p2p.relay_plan import piece_bytes
     out: dict[str, Any] = {"bytes": nbytes, "t1_s": round(nbytes * 8 / (cap * 1e6), 3),
-                           "chunk_bytes": chunk, "queue_ms": queue_ms, "write_out": write_out,
+                           "chunk_bytes": chunk, "piece_bytes": piece_bytes(nbytes, chunk),
+                           "queue_ms": queue_ms, "write_out": write_out,
                            "small_first": small_first, "env": extra_env or {}}
     env = {"MX_RELAY_CHUNK_BYTES": str(chunk), "MX_TRANSFER_STALL_S": "10", **(extra_env or {})}
     for n in sorted({1, *sizes}):
@@ -417,8 +419,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run one part: striping, fanout, relay")
     parser.add_argument("--relay-model", default="uniform,minilm",
                         help="checkpoints of the relay part (uniform, minilm)")
-    parser.add_argument("--relay-chunk", type=int, default=2 << 20,
-                        help="MX_RELAY_CHUNK_BYTES of the relay part")
+    parser.add_argument("--relay-chunk", type=int, default=4 << 20,
+                        help="MX_RELAY_CHUNK_BYTES of the relay part (the largest piece; "
+                             "the agents' pieces follow the model: piece_bytes in the JSON)")
     parser.add_argument("--relay-no-out", action="store_true",
                         help="relay part: agents keep transfers in memory (no --out): the "
                              "finish is the last verified byte, not a safetensors write that "

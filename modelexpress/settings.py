@@ -136,8 +136,10 @@ class MxSettings(BaseSettings):
     relay_chunk_bytes: int = _field(
         4 * _MIB, "p2p",
         "Fleet relay: most bytes per relayed piece (a larger tensor is cut into pieces, "
-        "verified when whole). Smaller pieces shorten each hop of a relay chain; each "
-        "piece is a NIXL request.",
+        "verified when whole). A reader's pieces are smaller for a small model: the largest "
+        "power of two within 1/128 of the model, at least 256 KiB and what "
+        "MX_RELAY_LINK_MBIT carries in 5 ms; a hop of a relay chain lags a few pieces, and "
+        "each piece is a NIXL request.",
         gt=0)
     relay_readers_per_source: int = _field(
         0, "p2p",
@@ -151,8 +153,9 @@ class MxSettings(BaseSettings):
         "read the rest from the next holder) and post-processes its weights.", ge=0)
     relay_link_mbit: float = _field(
         0.0, "p2p",
-        "Fleet relay: this agent's NIC speed in Mbit/s, told to the server's planner (a "
-        "holder whose uplink is k times a reader's downlink takes k readers); 0: unknown.",
+        "Fleet relay: this host's NIC speed in Mbit/s, told to the server's planner (a "
+        "holder whose uplink is k times a reader's downlink takes k readers) and sizing "
+        "the relayed pieces (see MX_RELAY_CHUNK_BYTES); 0: unknown.",
         ge=0)
     max_source_attempts: int = _field(
         3, "p2p", "How many sources a pull tries before giving up.", ge=1)

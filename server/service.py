@@ -65,8 +65,9 @@ class ControlPlane:
         readers_per_source: live readers per holder before a claim goes to another
             (``MX_RELAY_READERS_PER_SOURCE``; 0: the relay planner chooses, see
             :mod:`modelexpress.p2p.relay_plan`).
-        relay_chunk_bytes: ``MX_RELAY_CHUNK_BYTES``: the chunk count the planner's
-            chain-or-tree choice assumes.
+        relay_chunk_bytes: ``MX_RELAY_CHUNK_BYTES``: with the model's size and the
+            target's link, the piece count the planner's chain-or-tree choice assumes
+            (:func:`~modelexpress.p2p.relay_plan.piece_bytes`, as the target's reader).
     """
 
     def __init__(self, store: Store, *, stale_after_s: float, gc_after_s: float,
@@ -595,7 +596,7 @@ class ControlPlane:
             agent then fails the transfer on the source it was given).
         """
         from modelexpress.p2p.relay_plan import (Holder, assign, choose_fanout, chunks_of,
-                                                 source_ref, transfer_ref)
+                                                 piece_bytes, source_ref, transfer_ref)
 
         if t.get("source_named"):
             return {}
@@ -619,13 +620,15 @@ class ControlPlane:
                                readers.get(transfer_ref(x["id"]), 0),
                                tuple(x["relay_path"]), _mbit(x.get("relay_uplink_mbit")))
                         for x in live if x.get("relay") and x.get("relay_path")]
+        downlink = _mbit(labels.get("downlink_mbit"))
         fanout = self.readers_per_source
         if fanout <= 0:
             blob = self.store.get("blobs", ready[0]["id"]) or {}
             tensors = (blob.get("manifest") or {}).get("tensors") or []
             total = sum(int(e.get("nbytes", 0)) for e in tensors if isinstance(e, dict))
-            fanout = choose_fanout(len(live) + 1, chunks_of(total, self.relay_chunk_bytes))
-        a = assign(holders, fanout=fanout, downlink_mbit=_mbit(labels.get("downlink_mbit")))
+            piece = piece_bytes(total, self.relay_chunk_bytes, downlink)  # as the reader's
+            fanout = choose_fanout(len(live) + 1, chunks_of(total, piece))
+        a = assign(holders, fanout=fanout, downlink_mbit=downlink)
         src = next(s for s in ready if source_ref(s["id"]) == a.path[-1])
         ranked = [s["id"] for s in ready if s["id"] != src["id"]]
         log.info("transfer %s to %s reads from %s (%d holders, %d readers each%s)", t["id"],

@@ -315,7 +315,8 @@ class Agent(Closeable):
             assert self._nixl is not None
             reader = RelayReader(self.client, self._nixl, info, origin, transfer.relay_path,
                                  identity_id=transfer.identity_id,
-                                 chunk_bytes=opts.relay_chunk_bytes, stall_s=opts.pull.stall_s,
+                                 chunk_bytes=opts.relay_chunk_bytes, link_mbit=opts.link_mbit,
+                                 stall_s=opts.pull.stall_s,
                                  verify=opts.pull.verify,
                                  refuse_slow_transport=opts.pull.refuse_slow_transport,
                                  advertise=lambda done, total: tracker.report(done, total,

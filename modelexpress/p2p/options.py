@@ -66,7 +66,10 @@ class PullOptions:
             withdraws, so nothing is served once the pull returned (the vLLM loader sets
             it from ``MX_RELAY``: engines that start together; its post-processing then
             runs on memory nobody reads).
-        relay_chunk_bytes: bytes per relayed READ (``MX_RELAY_CHUNK_BYTES``).
+        relay_chunk_bytes: most bytes per relayed READ (``MX_RELAY_CHUNK_BYTES``; the
+            pieces follow the model's size: :func:`~.relay_plan.piece_bytes`).
+        relay_link_mbit: this host's link for the relayed pieces' size
+            (``MX_RELAY_LINK_MBIT``; 0: unknown).
         relay_linger_s: see ``relay_serve`` (``MX_RELAY_LINGER_S``).
         heartbeat_interval_s: heartbeat of a relay source (``MX_HEARTBEAT_INTERVAL_S``).
 
@@ -95,6 +98,7 @@ class PullOptions:
     relay_read: bool = False
     relay_serve: bool = False
     relay_chunk_bytes: int = 4 << 20
+    relay_link_mbit: float = 0.0
     relay_linger_s: float = 10.0
     heartbeat_interval_s: float = 5.0
 
@@ -111,6 +115,8 @@ class PullOptions:
             ("timeout_s", self.timeout_s, self.timeout_s > 0, "> 0"),
             ("chunk_bytes", self.chunk_bytes, self.chunk_bytes > 0, "> 0"),
             ("relay_chunk_bytes", self.relay_chunk_bytes, self.relay_chunk_bytes > 0, "> 0"),
+            ("relay_link_mbit", self.relay_link_mbit, self.relay_link_mbit >= 0,
+             ">= 0 (0: unknown)"),
             ("relay_linger_s", self.relay_linger_s, self.relay_linger_s >= 0, ">= 0"),
             ("heartbeat_interval_s", self.heartbeat_interval_s,
              self.heartbeat_interval_s > 0, "> 0"),
@@ -144,6 +150,7 @@ class PullOptions:
             "backend": settings.nixl_backend,
             "local": LocalOptions.from_settings(settings),
             "relay_chunk_bytes": settings.relay_chunk_bytes,
+            "relay_link_mbit": settings.relay_link_mbit,
             "relay_linger_s": settings.relay_linger_s,
             "heartbeat_interval_s": settings.heartbeat_interval_s,
         }

@@ -489,7 +489,9 @@ class RelayReader:
         origin_info, origin: the READY source at the end of the path and its manifest.
         path: holder refs, the upstream first (``TransferInfo.relay_path``).
         identity_id: the model's identity id (relay sources are named from it).
-        chunk_bytes: most bytes per posted READ request (``MX_RELAY_CHUNK_BYTES``).
+        chunk_bytes: most bytes per posted READ request (``MX_RELAY_CHUNK_BYTES``); the
+            pieces are :func:`~.relay_plan.piece_bytes` of the model, this and ``link_mbit``.
+        link_mbit: this reader's link when known (``MX_RELAY_LINK_MBIT``; 0: unknown).
         stall_s: ``MX_TRANSFER_STALL_S`` (0: only the deadline).
         verify: check digests (always against the origin's).
         refuse_slow_transport: as :class:`~.options.PullOptions` (a holder whose READ
@@ -506,7 +508,7 @@ class RelayReader:
     def __init__(self, client: "MxClient", manager: "NixlTransferManager",
                  origin_info: "SourceInfo", origin: "Manifest", path: Sequence[str], *,
                  identity_id: str, chunk_bytes: int, stall_s: float, verify: bool,
-                 refuse_slow_transport: bool = False,
+                 link_mbit: float = 0.0, refuse_slow_transport: bool = False,
                  advertise: Callable[[int, int], None] | None = None,
                  publish: Callable[[int], None] | None = None,
                  local: "ReaderFactory | None" = None, local_group_bytes: int = 1 << 30
@@ -516,7 +518,8 @@ class RelayReader:
         self.origin_info = origin_info
         self.origin = origin
         self.identity_id = identity_id
-        self.chunk_bytes = chunk_bytes
+        from modelexpress.p2p.relay_plan import piece_bytes
+        self.chunk_bytes = piece_bytes(origin.total_bytes, chunk_bytes, link_mbit)
         self.stall_s = stall_s
         self.verify = verify
         self.refuse_slow_transport = refuse_slow_transport
@@ -688,7 +691,8 @@ class RelayReader:
                 stream.connect(first, max(end - time.monotonic(), 1.0))
                 h.opened = True
             log.info("relay: reading from %s (connected in %.3f s; it advertises %d of %d "
-                     "bytes)", h.ref, stream.connect_s, h.mark, total)
+                     "bytes; pieces of %d bytes)", h.ref, stream.connect_s, h.mark, total,
+                     self.chunk_bytes)
             mark, landed_at, nap, full = -1, time.monotonic(), _NAP_MIN_S, False
             # How long a piece takes to land while the link is busy (an average): the
             # reader wakes a few times per piece, not every millisecond, and asks for

@@ -49,8 +49,9 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["Holder", "Assignment", "HOP_CHUNKS", "assign", "choose_fanout", "predicted_t1",
-           "tensor_chunks", "chunks_of", "source_ref", "transfer_ref", "parse_ref"]
+__all__ = ["Holder", "Assignment", "HOP_CHUNKS", "MIN_PIECE_BYTES", "PIECES_PER_MODEL",
+           "assign", "choose_fanout", "predicted_t1", "piece_bytes", "tensor_chunks",
+           "chunks_of", "source_ref", "transfer_ref", "parse_ref"]
 
 _MAX_FANOUT = 8
 HOP_CHUNKS = 3.5
@@ -59,6 +60,45 @@ the chunk itself, the reader's window of two chunks in flight, and the advert's 
 (measured: ~150 ms for 512 KiB chunks at 100 Mbit/s, 42 ms a chunk: bench/cluster.py,
 docs/benchmarks.md "Fleet relay"). A planner that took one chunk kept chains far past
 the point where a tree is faster."""
+
+
+PIECES_PER_MODEL = 128
+"""A relay piece is at most about this fraction of the model (:func:`piece_bytes`)."""
+MIN_PIECE_BYTES = 256 << 10
+"""The smallest piece :func:`piece_bytes` picks: each piece is a NIXL request."""
+_LINK_PIECE_S = 0.005  # a piece lasts at least this long on a known link
+
+
+def piece_bytes(total_bytes: int, most: int, link_mbit: float = 0.0) -> int:
+    """Bytes per relay piece for a model of ``total_bytes``.
+
+    A chain's last target trails one alone by ``(N - 1) x HOP_CHUNKS`` pieces' time, so
+    what matters is a piece's share of the model, not its size: a fixed 2-4 MiB piece is
+    a large share of a small model on a slow link (91 MB at 400 Mbit/s: the last of 8
+    at 1.30 x one alone with 2 MiB pieces, 1.12 with 512 KiB; docs/benchmarks.md,
+    "Fleet relay"). So a piece is the largest power of two within
+    ``total_bytes / PIECES_PER_MODEL``, at least :data:`MIN_PIECE_BYTES` and what a
+    known link carries in 5 ms (on fast links each request's fixed cost would show
+    first), and at most ``most`` (``MX_RELAY_CHUNK_BYTES``; a smaller ``most`` wins).
+
+    Args:
+        total_bytes: the model's bytes (the origin's manifest).
+        most: the largest piece.
+        link_mbit: the reader's link when known (``MX_RELAY_LINK_MBIT``; 0: unknown).
+
+    Returns:
+        The piece size in bytes.
+
+    Raises:
+        ValueError: ``most < 1``.
+    """
+    if most < 1:
+        raise ValueError(f"most must be >= 1 (got {most})")
+    share = MIN_PIECE_BYTES
+    while share * 2 <= total_bytes / PIECES_PER_MODEL:
+        share *= 2
+    link = int(link_mbit * 1e6 / 8 * _LINK_PIECE_S) if link_mbit > 0 else 0
+    return min(most, max(share, link))
 
 
 def source_ref(source_id: str) -> str:

@@ -148,6 +148,7 @@ class RelayedPull:
         reader = RelayReader(self.client, self.manager(dest), self.info, self.manifest,
                              self.path, identity_id=self.identity.id,
                              chunk_bytes=self.opts.relay_chunk_bytes,
+                             link_mbit=self.opts.relay_link_mbit,
                              stall_s=self.opts.stall_s, verify=self.opts.verify,
                              refuse_slow_transport=self.opts.refuse_slow_transport,
                              advertise=self.advertise if server is not None else None,

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from modelexpress.p2p.relay_plan import (HOP_CHUNKS, Holder, assign, choose_fanout, parse_ref,
-                                         predicted_t1, source_ref, tensor_chunks,
-                                         transfer_ref)
+from modelexpress.p2p.relay_plan import (HOP_CHUNKS, MIN_PIECE_BYTES, Holder, assign,
+                                         choose_fanout, parse_ref, piece_bytes, predicted_t1,
+                                         source_ref, tensor_chunks, transfer_ref)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
@@ -73,6 +73,24 @@ def test_the_fanout_is_a_chain_until_the_fleet_outgrows_the_chunk_count() -> Non
 def test_a_hop_that_lags_longer_turns_the_chain_into_a_tree_sooner() -> None:
     assert choose_fanout(20, chunks=44, hop_chunks=1) == 1
     assert choose_fanout(20, chunks=44) == 2  # the measured hop (HOP_CHUNKS)
+
+
+def test_relay_pieces_follow_the_models_size_and_a_known_links_speed() -> None:
+    most = 4 << 20
+    # a 91 MB model: the largest power of two within 1/128 of it
+    assert piece_bytes(90_856_704, most) == 512 << 10
+    # a small model: never under the floor; a large one: never over the setting
+    assert piece_bytes(3 << 20, most) == MIN_PIECE_BYTES
+    assert piece_bytes(16 << 30, most) == most
+    assert piece_bytes(512 << 20, most) == most and piece_bytes((512 << 20) - 1, most) == 2 << 20
+    # a fast link: 5 ms of it (100 Gbit/s: 62.5 MB, capped at the setting; 1 Gbit/s: 625 kB)
+    assert piece_bytes(90_856_704, most, link_mbit=100_000) == most
+    assert piece_bytes(90_856_704, most, link_mbit=1000) == 625_000
+    assert piece_bytes(90_856_704, most, link_mbit=100) == 512 << 10  # the model's share
+    # a smaller setting wins over both
+    assert piece_bytes(16 << 30, 64 << 10, link_mbit=100_000) == 64 << 10
+    with pytest.raises(ValueError, match="most"):
+        piece_bytes(1 << 20, 0)
 
 
 def test_tensor_chunks_are_whole_tensors_and_a_large_tensor_is_its_own_chunk() -> None:
