@@ -74,6 +74,11 @@ log = logging.getLogger(__name__)
 # The blocks of the default digest (xxh3-128-b8m) are as large, so a piece of a tensor
 # is one of its blocks, hashed as a whole by the thread that landed it.
 _PIECE_BYTES = 8 << 20
+# A copy too small to give each thread several pieces of _PIECE_BYTES is cut finer,
+# down to this: a 70 MB pull on 16 threads had 9 pieces of 8 MiB, so 9 threads faulted
+# in new destination pages, a piece each, while 7 had nothing (_piece_bytes).
+_MIN_PIECE_BYTES = 1 << 20
+_PIECES_PER_THREAD = 4
 # Below this a chunk is copied on the calling thread: handing it out costs more.
 _INLINE_BYTES = 1 << 20
 
@@ -128,6 +133,16 @@ def copy_threads() -> int:
     return _threads.cpu_threads()
 
 
+def _piece_bytes(total: int, threads: int) -> int:
+    """The pieces of a copy of ``total`` bytes on ``threads`` threads: halved from
+    ``_PIECE_BYTES`` until each thread has about ``_PIECES_PER_THREAD`` of them, but no
+    smaller than ``_MIN_PIECE_BYTES`` (each piece costs some GIL-held Python)."""
+    size = _PIECE_BYTES
+    while size > _MIN_PIECE_BYTES and total < size * threads * _PIECES_PER_THREAD:
+        size //= 2
+    return size
+
+
 class HostCopier:
     """Copies ``(segment, offset, dst_addr, nbytes)`` runs out of a :class:`HostMapping`.
 
@@ -150,11 +165,12 @@ class HostCopier:
                 still writes into the destination when this returns or raises).
         """
         total = sum(c[3] for c in copies)
+        size = _piece_bytes(total, self.threads)
         if in_pass is not None:
-            pieces = in_pass.pieces(copies, _PIECE_BYTES)
+            pieces = in_pass.pieces(copies, size)
         else:
-            pieces = [(seg, off + a, dst + a, min(_PIECE_BYTES, n - a), None)
-                      for seg, off, dst, n in copies for a in range(0, n, _PIECE_BYTES)]
+            pieces = [(seg, off + a, dst + a, min(size, n - a), None)
+                      for seg, off, dst, n in copies for a in range(0, n, size)]
         workers = 1 if total < _INLINE_BYTES else min(self.threads, len(pieces))
         job = _Pieces(self.mapping, pieces)
         if workers <= 1:

@@ -177,6 +177,18 @@ def _copy_threads() -> list[int]:
     return sorted(t.ident for t in threading.enumerate() if t.name.startswith("mx-worker"))
 
 
+def test_a_copy_too_small_for_its_threads_is_cut_into_finer_pieces():
+    """8 MiB pieces while every thread gets about four; finer (down to 1 MiB) when not:
+    70 MB on 16 threads in 1 MiB pieces, on 2 threads in 8 MiB; 1 GiB in 8 MiB."""
+    from modelexpress.local.hostcopy import _piece_bytes
+    mib = 1 << 20
+    assert _piece_bytes(70_483_200, 16) == mib
+    assert _piece_bytes(70_483_200, 2) == 8 * mib
+    assert _piece_bytes(300 * mib, 16) == 4 * mib
+    assert _piece_bytes(1 << 30, 16) == 8 * mib
+    assert _piece_bytes(3 * mib, 3) == mib  # never under the floor
+
+
 def test_copy_threads_are_the_processes_and_a_failed_lane_waits_for_the_others(seed):
     """The calling thread copies pieces itself and the process's copy threads the
     others, kept from one copy to the next; a piece that fails raises only after every
