@@ -46,7 +46,6 @@ import bisect
 import concurrent.futures
 import ctypes
 import errno
-import itertools
 import logging
 import os
 import threading
@@ -172,59 +171,27 @@ class HostCopier:
             pieces = [(seg, off + a, dst + a, min(size, n - a), None)
                       for seg, off, dst, n in copies for a in range(0, n, size)]
         workers = 1 if total < _INLINE_BYTES else min(self.threads, len(pieces))
-        job = _Pieces(self.mapping, pieces)
-        if workers <= 1:
-            job.run()
-            return
-        # The calling thread copies too, the process's worker threads beside it
-        # (modelexpress._threads): no thread is started, and none is woken for a copy
-        # the caller does alone.
-        futures = [_threads.pool().submit(job.run) for _ in range(workers - 1)]
-        failed: BaseException | None = None
-        try:
-            job.run()
-        except BaseException as exc:  # noqa: BLE001 - raised below, after the others
-            failed = exc
-        # ORDER: wait for every piece before raising, so a failed piece never leaves
-        # another one writing into memory the caller is about to reuse or free.
-        concurrent.futures.wait(futures)
-        if failed is not None:
-            raise failed
-        for f in futures:
-            f.result()
+        read, from_file = self.mapping.read_into, self.mapping.from_file
 
-    def close(self) -> None:
-        """(Nothing to release: the copy threads are the process's, see
-        :mod:`modelexpress._threads`; a copy has returned only once all its pieces
-        finished.)"""
-
-
-class _Pieces:
-    """One copy's pieces ``(segment, offset, dst, nbytes, stream | None)``, taken one at
-    a time, in order, by every thread that runs :meth:`run` (``next`` on an
-    ``itertools.count`` is atomic under the GIL)."""
-
-    __slots__ = ("mapping", "pieces", "_next")
-
-    def __init__(self, mapping: "HostMapping", pieces: Sequence[Any]) -> None:
-        self.mapping = mapping
-        self.pieces = pieces
-        self._next = itertools.count()
-
-    def run(self) -> None:
-        mapping, pieces, take = self.mapping, self.pieces, self._next
-        read, from_file = mapping.read_into, mapping.from_file
-        n_pieces = len(pieces)
-        while True:
-            k = next(take)
-            if k >= n_pieces:
-                return
-            seg, off, dst, n, stream = pieces[k]
+        def one(piece: tuple[int, int, int, int, "_Stream | None"]) -> None:
+            seg, off, dst, n, stream = piece
             if not from_file(seg):
                 _prefault(dst, n)
             read(seg, off, dst, n)
             if stream is not None:
                 stream.landed(dst, n)
+
+        # The calling thread copies too, the process's worker threads beside it, taking
+        # pieces in order from one counter (modelexpress._threads.run_shared): no thread
+        # is started, none is woken for a copy the caller does alone, and every piece
+        # has finished when this returns or raises, so a failed piece never leaves
+        # another one writing into memory the caller is about to reuse or free.
+        _threads.run_shared(pieces, one, threads=workers)
+
+    def close(self) -> None:
+        """(Nothing to release: the copy threads are the process's, see
+        :mod:`modelexpress._threads`; a copy has returned only once all its pieces
+        finished.)"""
 
 
 class _Stream:
