@@ -22,9 +22,9 @@ one of two ways:
 
   With ``xxh3-128-b8m`` (the default digest of host tensors) each 8 MiB block of a
   tensor has a hasher of its own and the pieces are cut at block boundaries, so a
-  piece is a block (or part of one, where a chunk ends inside it): the thread that
-  lands it hashes it at once, and a large tensor is hashed on every thread, not on
-  one after the copy.
+  piece is a block or part of one (a chunk ends inside it, or a small copy is cut
+  finer: ``_piece_bytes``): the thread that lands it hashes it when it is the block's
+  next, and a large tensor is hashed on every thread, not on one after the copy.
   (``bench/local.py --host``; docs/benchmarks.md, "Local transport on host memory").
 * :class:`DigestsAlongside` (the others, e.g. ``wsum-i32-v1`` of a GPU source): each
   tensor's digest as soon as its last byte has landed, on its own threads, while the
@@ -70,8 +70,8 @@ log = logging.getLogger(__name__)
 # hashed right after it lands (DigestsInPass), from the CPU's caches, and costs some
 # GIL-held Python (~10-20 us) that every thread shares: on the 16-core GPU host a 1 GiB
 # pull took 44 ms in 8 MiB pieces, 47 in 4 MiB and 49 in 2 MiB (docs/benchmarks.md).
-# The blocks of the default digest (xxh3-128-b8m) are as large, so a piece of a tensor
-# is one of its blocks, hashed as a whole by the thread that landed it.
+# The blocks of the default digest (xxh3-128-b8m) are as large, so a piece of a large
+# copy is one of its blocks, hashed as a whole by the thread that landed it.
 _PIECE_BYTES = 8 << 20
 # A copy too small to give each thread several pieces of _PIECE_BYTES is cut finer,
 # down to this: a 70 MB pull on 16 threads had 9 pieces of 8 MiB, so 9 threads faulted
