@@ -104,23 +104,46 @@ def _trainer(server: ServerProc, logs: pathlib.Path, weights: pathlib.Path,
 
 
 def _line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
-    """The first stdout line starting with ``prefix`` (bounded by ``timeout``)."""
+    """The first stdout line starting with ``prefix`` (bounded by ``timeout``).
+
+    Reads the pipe's descriptor itself: a ``readline()`` on the text wrapper may pull
+    the next line into the wrapper's buffer too, where ``select`` never sees it (the
+    trainer then printed PUBLISHED, but the test waited for the pipe until it timed out).
+    """
     import selectors
 
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    seen: list[str] = []
+    pending = _PENDING.setdefault(proc.pid, b"")
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(fd, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sel.select(timeout=1.0):
-            line = proc.stdout.readline()
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-            if not line and proc.poll() is not None:
+    try:
+        while True:
+            while b"\n" in pending:
+                raw, pending = pending.split(b"\n", 1)
+                line = raw.decode(errors="replace")
+                if line.startswith(prefix):
+                    _PENDING[proc.pid] = pending
+                    return line[len(prefix):].strip()
+                seen.append(line)
+            if time.monotonic() >= deadline:
                 break
+            if sel.select(timeout=1.0):
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break  # end of the pipe: the trainer exited
+                pending += chunk
+    finally:
+        sel.close()
     proc.kill()
     raise AssertionError(f"trainer printed no {prefix!r} line within {timeout:.0f} s "
-                         f"(exit {proc.poll()})")
+                         f"(exit {proc.poll()}; other lines: {seen[-5:]})")
+
+
+# What _line read past the line it returned, by trainer pid (RESULT may follow PUBLISHED).
+_PENDING: dict[int, bytes] = {}
 
 
 def _weight_version(engine: Engine) -> str | None:
