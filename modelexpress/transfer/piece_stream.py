@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from modelexpress.errors import PeerError, TransportError
+from modelexpress.transfer.read_loop import CONNECT_BYTES, connect_read
 from modelexpress.transfer.transport import assess
 
 if TYPE_CHECKING:
@@ -40,7 +41,6 @@ __all__ = ["PieceStream"]
 
 log = logging.getLogger(__name__)
 
-_CONNECT_BYTES = 4096
 
 
 class PieceStream:
@@ -86,37 +86,21 @@ class PieceStream:
             PeerError: it failed or did not complete within ``deadline_s``.
             TransportError: UCX reports a fallback transport and ``refuse`` is set.
         """
-        i = self.row[name]
-        n = int(min(_CONNECT_BYTES, self.nbytes[name]))
-        local = self.plan.local_descs[i:i + 1].copy()
-        remote = self.plan.remote_descs[i:i + 1].copy()
-        local[0][1] = remote[0][1] = n
-        handles: list[Any] = []
-        req = None
-        t0 = time.perf_counter()
         end = time.monotonic() + deadline_s
-        try:
-            with self.watch.window():
-                handles.append(self.agent.prep(None, local, self.plan.local_mem))  # type: ignore[arg-type]
-                handles.append(self.agent.prep(self.peer, remote, self.plan.remote_mem))  # type: ignore[arg-type]
-                idx = np.zeros(1, dtype=np.int32)
-                req = self.agent.make_read(handles[0], idx, handles[1], idx, self.peer, b"")
-                state = self.agent.post(req, self.peer, n)
-                while state == "PROC":
-                    if time.monotonic() > end:
-                        raise PeerError(f"connecting to peer {self.peer} (a {n}-byte READ) did "
-                                        f"not finish within {deadline_s:g} s; the peer may be hung")
-                    time.sleep(0.0002)
-                    state = self.agent.state(req, self.peer, n)
-            if state == "ERR":
-                raise PeerError(f"connecting to peer {self.peer} (a {n}-byte READ) failed: the "
-                                "peer vanished or its memory is gone")
-        finally:
-            if req is not None:
-                self.agent.release(req)
-            for h in handles:
-                self.agent.release(h)
-        self.connect_s = time.perf_counter() - t0
+
+        def wait(req: Any, n: int) -> str:
+            state = "PROC"
+            while state == "PROC":
+                if time.monotonic() > end:
+                    raise PeerError(f"connecting to peer {self.peer} (a {n}-byte READ) did "
+                                    f"not finish within {deadline_s:g} s; the peer may be hung")
+                time.sleep(0.0002)
+                state = self.agent.state(req, self.peer, n)
+            return state
+
+        self.connect_s = connect_read(self.agent, self.peer, self.plan, self.row[name],
+                                      self.watch, wait)
+        n = int(min(CONNECT_BYTES, self.nbytes[name]))
         verdict = assess(self.expected, n, max(self.connect_s, 1e-9), facts=self.watch.facts(),
                          min_measure_bytes=self.probe_bytes, cold=True)
         if not verdict.ok:

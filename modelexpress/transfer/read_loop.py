@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from modelexpress.transfer.nixl_adapter import NixlAgent
     from modelexpress.transfer.observer import ReadWatch
 
-__all__ = ["ReadLoop", "StopSignal", "ProgressCallback", "stopped"]
+__all__ = ["CONNECT_BYTES", "ReadLoop", "StopSignal", "ProgressCallback", "connect_read", "stopped"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ ProgressCallback = Callable[[int, int], None]
 _STILL_WAITING_EVERY_S = 10.0
 _SPIN_POLLS = 2000          # polls before we start sleeping between them
 _POLL_SLEEP_S = 0.0001
-_CONNECT_BYTES = 4096       # the READ that opens the peer's memory before the clock starts
+CONNECT_BYTES = 4096       # the READ that opens the peer's memory before the clock starts
 
 
 def stopped(stop: StopSignal | None) -> bool:
@@ -50,6 +50,47 @@ def stopped(stop: StopSignal | None) -> bool:
     if isinstance(stop, threading.Event):
         return stop.is_set()
     return bool(stop())
+
+
+def connect_read(agent: NixlAgent, peer: str, plan: ReadPlan, row: int, watch: ReadWatch,
+                 wait: Callable[[Any, int], str]) -> float:
+    """READ the first few KiB of the plan's descriptor ``row`` (bytes the caller reads
+    again) inside ``watch``'s window, and return its seconds.
+
+    A first access to a peer is connection setup: UCX wires the endpoint up, opens the
+    peer's memory (cuda_ipc maps its IPC handle, ~ms for a multi-GB allocation) and
+    reports the protocols it chose, which the observer's window catches. ``wait(req,
+    n)`` is called while the READ is in flight and returns its final state ("DONE" or
+    "ERR"), raising on its caller's deadline.
+
+    Raises:
+        PeerError: the READ failed (the peer vanished or its memory is gone).
+    """
+    t0 = time.perf_counter()
+    n = int(min(CONNECT_BYTES, int(plan.local_descs[row][1])))
+    local = plan.local_descs[row:row + 1].copy()
+    remote = plan.remote_descs[row:row + 1].copy()
+    local[0][1] = remote[0][1] = n
+    handles: list[Any] = []
+    req = None
+    try:
+        with watch.window():
+            handles.append(agent.prep(None, local, plan.local_mem))  # type: ignore[arg-type]
+            handles.append(agent.prep(peer, remote, plan.remote_mem))  # type: ignore[arg-type]
+            idx = np.zeros(1, dtype=np.int32)
+            req = agent.make_read(handles[0], idx, handles[1], idx, peer, b"")
+            state = agent.post(req, peer, n)
+            if state == "PROC":
+                state = wait(req, n)
+        if state == "ERR":
+            raise PeerError(f"connecting to peer {peer} (a {n}-byte READ) failed: the peer "
+                            "vanished or its memory is gone; try another source")
+    finally:
+        if req is not None:
+            agent.release(req)
+        for h in handles:
+            agent.release(h)
+    return time.perf_counter() - t0
 
 
 class ReadLoop:
@@ -156,34 +197,12 @@ class ReadLoop:
         It is also where UCX selects its protocols for this peer and reports them,
         so it runs inside the observer's window (see ``observer.py``).
         """
-        plan, agent, peer = self.plan, self.agent, self.peer
-        t0 = time.perf_counter()
-        n = int(min(_CONNECT_BYTES, int(plan.local_descs[0][1])))
-        local = plan.local_descs[:1].copy()
-        remote = plan.remote_descs[:1].copy()
-        local[0][1] = remote[0][1] = n
-        handles = []
-        req = None
-        try:
-            with self.watch.window():
-                handles.append(agent.prep(None, local, plan.local_mem))
-                handles.append(agent.prep(peer, remote, plan.remote_mem))
-                idx = np.zeros(1, dtype=np.int32)
-                req = agent.make_read(handles[0], idx, handles[1], idx, peer, b"")
-                state = agent.post(req, peer, n)
-                if state == "PROC":
-                    state = self._wait(req, n, deadline, f"the {n}-byte connect READ", lambda: (
-                        f"connecting to peer {peer} (a {n}-byte READ) did not finish within "
-                        f"{self.deadline_s} s; the peer may be hung"), since=time.monotonic())
-            if state == "ERR":
-                raise PeerError(f"connecting to peer {peer} (a {n}-byte READ) failed: the peer "
-                                "vanished or its memory is gone; try another source")
-        finally:
-            if req is not None:
-                agent.release(req)
-            for h in handles:
-                agent.release(h)
-        self.connect_s = time.perf_counter() - t0
+        peer = self.peer
+        self.connect_s = connect_read(
+            self.agent, peer, self.plan, 0, self.watch,
+            lambda req, n: self._wait(req, n, deadline, f"the {n}-byte connect READ", lambda: (
+                f"connecting to peer {peer} (a {n}-byte READ) did not finish within "
+                f"{self.deadline_s} s; the peer may be hung"), since=time.monotonic()))
 
     def run(self) -> tuple[float, float, TransportVerdict | None]:
         plan, agent, peer = self.plan, self.agent, self.peer
