@@ -22,9 +22,10 @@ one of two ways:
 
   With ``xxh3-128-b8m`` (the default digest of host tensors) each 8 MiB block of a
   tensor has a hasher of its own and the pieces are cut at block boundaries, so a
-  piece is a block or part of one (a chunk ends inside it, or a small copy is cut
-  finer: ``_piece_bytes``): the thread that lands it hashes it when it is the block's
-  next, and a large tensor is hashed on every thread, not on one after the copy.
+  piece is a block or part of one (a chunk ends inside it, or a small copy into new
+  memory is cut finer: ``_piece_bytes``): the thread that lands it hashes it when it is
+  the block's next, and a large tensor is hashed on every thread, not on one after the
+  copy.
   (``bench/local.py --host``; docs/benchmarks.md, "Local transport on host memory").
 * :class:`DigestsAlongside` (the others, e.g. ``wsum-i32-v1`` of a GPU source): each
   tensor's digest as soon as its last byte has landed, on its own threads, while the
@@ -73,9 +74,12 @@ log = logging.getLogger(__name__)
 # The blocks of the default digest (xxh3-128-b8m) are as large, so a piece of a large
 # copy is one of its blocks, hashed as a whole by the thread that landed it.
 _PIECE_BYTES = 8 << 20
-# A copy too small to give each thread several pieces of _PIECE_BYTES is cut finer,
-# down to this: a 70 MB pull on 16 threads had 9 pieces of 8 MiB, so 9 threads faulted
-# in new destination pages, a piece each, while 7 had nothing (_piece_bytes).
+# A copy into new memory too small to give each thread several pieces of _PIECE_BYTES
+# is cut finer, down to this: a 70 MB pull on 16 threads had 9 pieces of 8 MiB, so 9
+# threads faulted in new destination pages, a piece each, while 7 had nothing. Into
+# touched memory a piece copies in well under 1 ms and its Python costs more than the
+# idle threads do, so there the pieces stay whole (_piece_bytes; the 16-core host, 70
+# MB: 5.0 ms in 8 MiB pieces, 7.2 in 1 MiB pieces; docs/benchmarks.md).
 _MIN_PIECE_BYTES = 1 << 20
 _PIECES_PER_THREAD = 4
 # Below this a chunk is copied on the calling thread: handing it out costs more.
@@ -100,7 +104,9 @@ def _prefault(addr: int, nbytes: int) -> None:
 
     Not before a read from a file's page cache (``HostMapping.from_file``): there the
     faults taken inside the read cost less than populating first, which writes the new
-    pages once more (bench/local.py --host, fresh-process rows).
+    pages once more (bench/local.py --host, fresh-process rows; on the 16-core GPU
+    host, pulls in fresh processes populating first took 30.5 ms against 18.8 for
+    70 MB and 112 against 82 ms for 1 GiB).
 
     New memory costs a fault per page, more than the copy itself on the CI machine,
     and faults taken inside ``pread``'s copy cost more than this populate at best
@@ -111,18 +117,22 @@ def _prefault(addr: int, nbytes: int) -> None:
     hence the probe (``mincore`` of one page). No byte changes. Best effort: an
     error only means the read faults the pages in itself."""
     global _prefault_ok
-    if not _prefault_ok or nbytes <= 0:
+    if not _prefault_ok or nbytes <= 0 or _resident(addr, nbytes):
         return
     start = addr & ~(_PAGE - 1)
-    vec = ctypes.c_ubyte(0)
-    # ORDER: the probe is the middle page: the first may be shared with the tensor
-    # before, landed already.
-    if _mincore((addr + nbytes // 2) & ~(_PAGE - 1), _PAGE, ctypes.byref(vec)) == 0 \
-            and vec.value & 1:
-        return
     if _madvise(start, (addr + nbytes - start + _PAGE - 1) & ~(_PAGE - 1),
                 _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
         _prefault_ok = False
+
+
+def _resident(addr: int, nbytes: int) -> bool:
+    """Whether ``[addr, +nbytes)`` is memory already touched (its middle page is
+    resident; ``mincore``), not a new allocation still to be faulted in."""
+    vec = ctypes.c_ubyte(0)
+    # ORDER: the probe is the middle page: the first may be shared with the tensor
+    # before, landed already.
+    return _mincore((addr + nbytes // 2) & ~(_PAGE - 1), _PAGE, ctypes.byref(vec)) == 0 \
+        and bool(vec.value & 1)
 
 
 def copy_threads() -> int:
@@ -132,12 +142,13 @@ def copy_threads() -> int:
     return _threads.cpu_threads()
 
 
-def _piece_bytes(total: int, threads: int) -> int:
-    """The pieces of a copy of ``total`` bytes on ``threads`` threads: halved from
-    ``_PIECE_BYTES`` until each thread has about ``_PIECES_PER_THREAD`` of them, but no
-    smaller than ``_MIN_PIECE_BYTES`` (each piece costs some GIL-held Python)."""
+def _piece_bytes(total: int, threads: int, new_memory: bool) -> int:
+    """The pieces of a copy of ``total`` bytes on ``threads`` threads: ``_PIECE_BYTES``
+    into touched memory; into new memory halved from it until each thread has about
+    ``_PIECES_PER_THREAD`` of them, but no smaller than ``_MIN_PIECE_BYTES`` (each
+    piece costs some GIL-held Python)."""
     size = _PIECE_BYTES
-    while size > _MIN_PIECE_BYTES and total < size * threads * _PIECES_PER_THREAD:
+    while new_memory and size > _MIN_PIECE_BYTES and total < size * threads * _PIECES_PER_THREAD:
         size //= 2
     return size
 
@@ -164,7 +175,10 @@ class HostCopier:
                 still writes into the destination when this returns or raises).
         """
         total = sum(c[3] for c in copies)
-        size = _piece_bytes(total, self.threads)
+        # Whether the destination is new memory, judged by its largest copy.
+        big = max(copies, key=lambda c: c[3], default=None)
+        size = _piece_bytes(total, self.threads,
+                            new_memory=big is not None and not _resident(big[2], big[3]))
         if in_pass is not None:
             pieces = in_pass.pieces(copies, size)
         else:

@@ -177,16 +177,53 @@ def _copy_threads() -> list[int]:
     return sorted(t.ident for t in threading.enumerate() if t.name.startswith("mx-worker"))
 
 
-def test_a_copy_too_small_for_its_threads_is_cut_into_finer_pieces():
-    """8 MiB pieces while every thread gets about four; finer (down to 1 MiB) when not:
-    70 MB on 16 threads in 1 MiB pieces, on 2 threads in 8 MiB; 1 GiB in 8 MiB."""
+def test_a_copy_into_new_memory_too_small_for_its_threads_is_cut_into_finer_pieces():
+    """Into new memory, 8 MiB pieces while every thread gets about four; finer (down to
+    1 MiB) when not: 70 MB on 16 threads in 1 MiB pieces, on 2 threads in 8 MiB; 1 GiB
+    in 8 MiB. Into touched memory always 8 MiB."""
     from modelexpress.local.hostcopy import _piece_bytes
     mib = 1 << 20
-    assert _piece_bytes(70_483_200, 16) == mib
-    assert _piece_bytes(70_483_200, 2) == 8 * mib
-    assert _piece_bytes(300 * mib, 16) == 4 * mib
-    assert _piece_bytes(1 << 30, 16) == 8 * mib
-    assert _piece_bytes(3 * mib, 3) == mib  # never under the floor
+    assert _piece_bytes(70_483_200, 16, new_memory=True) == mib
+    assert _piece_bytes(70_483_200, 2, new_memory=True) == 8 * mib
+    assert _piece_bytes(300 * mib, 16, new_memory=True) == 4 * mib
+    assert _piece_bytes(1 << 30, 16, new_memory=True) == 8 * mib
+    assert _piece_bytes(3 * mib, 3, new_memory=True) == mib  # never under the floor
+    assert _piece_bytes(70_483_200, 16, new_memory=False) == 8 * mib
+    assert _piece_bytes(3 * mib, 3, new_memory=False) == 8 * mib
+
+
+def test_the_copier_cuts_finer_pieces_only_into_new_memory(seed):
+    """The copier asks the kernel whether the destination was touched (``mincore``):
+    a 24 MiB copy on 8 threads goes in 1 MiB pieces into a new allocation and in
+    8 MiB pieces into the same memory once written; the bytes land either way."""
+    import mmap
+    n = 24 << 20
+    buf, _ = _source([n], seed)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    # A new anonymous mapping: no page of it is resident until written.
+    area = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    dst = torch.frombuffer(area, dtype=torch.uint8)
+    sizes: list[int] = []
+    read = mapping.read_into
+
+    def recording(seg: int, off: int, addr: int, nbytes: int) -> None:
+        sizes.append(nbytes)
+        read(seg, off, addr, nbytes)
+
+    mapping.read_into = recording  # type: ignore[method-assign]
+    try:
+        copier = HostCopier(mapping, threads=8)
+        copier.copy([(0, 0, dst.data_ptr(), n)])
+        assert set(sizes) == {1 << 20} and len(sizes) == 24
+        assert torch.equal(dst, buf.tensor(0, (n,), torch.uint8))
+        sizes.clear()
+        copier.copy([(0, 0, dst.data_ptr(), n)])
+        assert sizes == [8 << 20] * 3
+    finally:
+        del dst
+        area.close()
+        mapping.close()
+        buf.close()
 
 
 def test_copy_threads_are_the_processes_and_a_failed_lane_waits_for_the_others(seed):
