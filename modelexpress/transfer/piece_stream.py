@@ -42,7 +42,6 @@ __all__ = ["PieceStream"]
 log = logging.getLogger(__name__)
 
 
-
 class PieceStream:
     """Posted READs of ``plan``'s pieces (one descriptor each) from ``peer``.
 

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from modelexpress.transfer.nixl_adapter import NixlAgent
     from modelexpress.transfer.observer import ReadWatch
 
-__all__ = ["CONNECT_BYTES", "ReadLoop", "StopSignal", "ProgressCallback", "connect_read", "stopped"]
+__all__ = ["CONNECT_BYTES", "ReadLoop", "StopSignal", "ProgressCallback", "connect_read",
+           "stopped"]
 
 log = logging.getLogger(__name__)
 
