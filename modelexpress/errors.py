@@ -15,8 +15,9 @@ callers catch our names only.
     ├── ArenaError                         VMM arena (modelexpress.vmm)
     │   ├── ArenaClosedError               use after close()
     │   ├── ArenaExhaustedError            the reserved VA range is used up
-    │   ├── InvalidFreeError               free of an unknown or already freed address
-    │   └── BackendError                   a driver / OS call failed (rolled back)
+    │   └── InvalidFreeError               free of an unknown or already freed address
+    ├── BackendError                       a driver / OS call failed (rolled back): a VMM
+    │                                      backend, a host read, the digest kernel's driver
     ├── TransferError                      NIXL data plane (modelexpress.transfer)
     │   ├── RegistrationError              memory registration failed
     │   ├── PeerError                      a peer is unreachable, vanished or refused
@@ -118,8 +119,10 @@ class InvalidFreeError(ArenaError):
     """``free`` of an address the arena does not hold (unknown or already freed)."""
 
 
-class BackendError(ArenaError):
-    """A driver or OS call of a VMM backend failed; partial work was rolled back."""
+class BackendError(MxError):
+    """A driver or OS call failed (a VMM backend's, a local host read, the digest
+    kernel's CUDA driver calls); partial work was rolled back. Not an
+    :class:`ArenaError`: most of these calls are not the arena's."""
 
 
 class TransferError(MxError):

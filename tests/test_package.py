@@ -61,6 +61,26 @@ def test_every_error_derives_from_mxerror() -> None:
         assert name in (errors.__doc__ or ""), f"{name} missing from the tree in the docstring"
 
 
+def test_the_error_tree_in_the_docstring_is_the_class_tree() -> None:
+    """Each class drawn under another in ``errors``' docstring derives from it (first
+    base), so the drawing callers read to choose their ``except`` stays true."""
+    import re
+    parents: dict[int, str] = {}
+    seen = 0
+    for line in (errors.__doc__ or "").splitlines():
+        m = re.match(r"^(\s*)(?:([│ ]*)[├└]── )?(\w+Error)\b", line)
+        if not m:
+            continue
+        depth = 0 if m.group(2) is None else (len(m.group(2)) // 4 + 1)
+        name = m.group(3)
+        parents[depth] = name
+        if depth:
+            cls, parent = getattr(errors, name), getattr(errors, parents[depth - 1])
+            assert cls.__bases__[0] is parent, f"{name} is drawn under {parents[depth - 1]}"
+            seen += 1
+    assert seen == len(errors.__all__) - 1  # every class but the root is drawn once
+
+
 def test_deployment_env_table_matches_settings() -> None:
     doc = ROOT / "docs" / "DEPLOYMENT.md"
     assert write_env_table(doc, check=True), (

@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Iterator
 
-from modelexpress.errors import ArenaError
+from modelexpress.errors import ArenaError, BackendError
 from modelexpress.vmm._core import extension_error, load_extension
 from modelexpress.vmm.arena import DEFAULT_TOTAL_BYTES, VmmArena
 
@@ -86,7 +86,7 @@ def maybe_enter_vmm_arena(enabled: bool, device: int = 0,
             # the local transport can serve them to peers on this host (issue #12).
             arena = VmmArena(total_bytes, device, CudaVmmBackend(device, handle_type="auto"),
                              use_extension=True)
-        except ArenaError as exc:
+        except (ArenaError, BackendError) as exc:
             reason = f"creating the arena failed: {exc}"
     if arena is None:
         _warn_once(reason or "unknown")
