@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from modelexpress.errors import PeerError, TransportError
-from modelexpress.transfer.read_loop import CONNECT_BYTES, connect_read
+from modelexpress.transfer.read_loop import connect_read
 from modelexpress.transfer.transport import assess
 
 if TYPE_CHECKING:
@@ -97,9 +97,8 @@ class PieceStream:
                 state = self.agent.state(req, self.peer, n)
             return state
 
-        self.connect_s = connect_read(self.agent, self.peer, self.plan, self.row[name],
-                                      self.watch, wait)
-        n = int(min(CONNECT_BYTES, self.nbytes[name]))
+        n, self.connect_s = connect_read(self.agent, self.peer, self.plan, self.row[name],
+                                         self.watch, wait)
         verdict = assess(self.expected, n, max(self.connect_s, 1e-9), facts=self.watch.facts(),
                          min_measure_bytes=self.probe_bytes, cold=True)
         if not verdict.ok:

@@ -31,8 +31,7 @@ if TYPE_CHECKING:
     from modelexpress.transfer.nixl_adapter import NixlAgent
     from modelexpress.transfer.observer import ReadWatch
 
-__all__ = ["CONNECT_BYTES", "ReadLoop", "StopSignal", "ProgressCallback", "connect_read",
-           "stopped"]
+__all__ = ["ReadLoop", "StopSignal", "ProgressCallback", "connect_read", "stopped"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ ProgressCallback = Callable[[int, int], None]
 _STILL_WAITING_EVERY_S = 10.0
 _SPIN_POLLS = 2000          # polls before we start sleeping between them
 _POLL_SLEEP_S = 0.0001
-CONNECT_BYTES = 4096       # the READ that opens the peer's memory before the clock starts
+_CONNECT_BYTES = 4096       # the READ that opens the peer's memory before the clock starts
 
 
 def stopped(stop: StopSignal | None) -> bool:
@@ -54,9 +53,9 @@ def stopped(stop: StopSignal | None) -> bool:
 
 
 def connect_read(agent: NixlAgent, peer: str, plan: ReadPlan, row: int, watch: ReadWatch,
-                 wait: Callable[[Any, int], str]) -> float:
+                 wait: Callable[[Any, int], str]) -> tuple[int, float]:
     """READ the first few KiB of the plan's descriptor ``row`` (bytes the caller reads
-    again) inside ``watch``'s window, and return its seconds.
+    again) inside ``watch``'s window; returns the bytes read and the seconds.
 
     A first access to a peer is connection setup: UCX wires the endpoint up, opens the
     peer's memory (cuda_ipc maps its IPC handle, ~ms for a multi-GB allocation) and
@@ -68,7 +67,7 @@ def connect_read(agent: NixlAgent, peer: str, plan: ReadPlan, row: int, watch: R
         PeerError: the READ failed (the peer vanished or its memory is gone).
     """
     t0 = time.perf_counter()
-    n = int(min(CONNECT_BYTES, int(plan.local_descs[row][1])))
+    n = int(min(_CONNECT_BYTES, int(plan.local_descs[row][1])))
     local = plan.local_descs[row:row + 1].copy()
     remote = plan.remote_descs[row:row + 1].copy()
     local[0][1] = remote[0][1] = n
@@ -91,7 +90,7 @@ def connect_read(agent: NixlAgent, peer: str, plan: ReadPlan, row: int, watch: R
             agent.release(req)
         for h in handles:
             agent.release(h)
-    return time.perf_counter() - t0
+    return n, time.perf_counter() - t0
 
 
 class ReadLoop:
@@ -199,7 +198,7 @@ class ReadLoop:
         so it runs inside the observer's window (see ``observer.py``).
         """
         peer = self.peer
-        self.connect_s = connect_read(
+        _, self.connect_s = connect_read(
             self.agent, peer, self.plan, 0, self.watch,
             lambda req, n: self._wait(req, n, deadline, f"the {n}-byte connect READ", lambda: (
                 f"connecting to peer {peer} (a {n}-byte READ) did not finish within "

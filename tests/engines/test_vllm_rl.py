@@ -104,7 +104,8 @@ def _trainer(server: ServerProc, logs: pathlib.Path, weights: pathlib.Path,
 
 
 def _line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
-    """The first stdout line starting with ``prefix`` (bounded by ``timeout``).
+    """The first stdout line starting with ``prefix`` (bounded by ``timeout``); each
+    test reads one such line of its trainer, so what follows it is not kept.
 
     Reads the pipe's descriptor itself: a ``readline()`` on the text wrapper may pull
     the next line into the wrapper's buffer too, where ``select`` never sees it (the
@@ -115,7 +116,7 @@ def _line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     seen: list[str] = []
-    pending = _PENDING.setdefault(proc.pid, b"")
+    pending = b""
     sel = selectors.DefaultSelector()
     sel.register(fd, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
@@ -125,7 +126,6 @@ def _line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
                 raw, pending = pending.split(b"\n", 1)
                 line = raw.decode(errors="replace")
                 if line.startswith(prefix):
-                    _PENDING[proc.pid] = pending
                     return line[len(prefix):].strip()
                 seen.append(line)
             if time.monotonic() >= deadline:
@@ -141,9 +141,6 @@ def _line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
     raise AssertionError(f"trainer printed no {prefix!r} line within {timeout:.0f} s "
                          f"(exit {proc.poll()}; other lines: {seen[-5:]})")
 
-
-# What _line read past the line it returned, by trainer pid (RESULT may follow PUBLISHED).
-_PENDING: dict[int, bytes] = {}
 
 
 def _weight_version(engine: Engine) -> str | None:
