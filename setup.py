@@ -73,6 +73,17 @@ if os.path.exists(_ATOMICS_SOURCE) and os.environ.get("MX_BUILD_EXT", "1") != "0
         extra_link_args=["-pthread"],
     ))
 
+# The host copier's piece loop without the GIL (plain C, no libtorch). Optional:
+# without it modelexpress.local.hostcopy runs the same pieces in Python threads.
+_COPYLOOP_SOURCE = os.path.join("modelexpress", "local", "_copyloop.c")
+if os.path.exists(_COPYLOOP_SOURCE) and os.environ.get("MX_BUILD_EXT", "1") != "0":
+    ext_modules.append(Extension(
+        "modelexpress.local._copyloop",
+        sources=[_COPYLOOP_SOURCE],
+        extra_compile_args=["-O2", "-fvisibility=hidden", "-pthread"],
+        extra_link_args=["-pthread"],
+    ))
+
 packages, package_dir = _packages()
 setup(
     packages=packages,

@@ -40,7 +40,10 @@ source that serves the memfd alone (``--memfd-only``, the transport before the
 page-cache path); then, in fresh processes (``process_disk`` / ``process_pull``: a warm
 page-cache load, a verified pull into ``allocate_like``'s memory, each timed alone in
 a new process, as a user's command or a new engine meets them: nothing in the heap
-to reuse). Ratios are per round (same moment), medians reported, and from each
+to reuse). ``*_pyloop`` rows are the same pulls with the copy's pieces run in Python
+threads (``hostcopy.NATIVE`` off: the loop before the C one, and where it is not
+built); ``c_loop_vs_python_loop`` compares them. Ratios are per round (same moment),
+medians reported, and from each
 measurement's best round (``best_ratios``: what the machine does when nothing else
 runs, on a shared CI machine the steadier figure). Cases ``1gib``
 (1.07 GB, 57 tensors) and ``70mb`` (70.5 MB, 33 tensors).
@@ -412,9 +415,10 @@ def host_target(args: argparse.Namespace) -> None:
         from modelexpress.checkpoint import time_disk_load
         print(json.dumps({"seconds": time_disk_load(ckpt, cold=False)}))
         return
-    from modelexpress.local import LocalEndpoint, pull
+    from modelexpress.local import LocalEndpoint, hostcopy, pull
     from modelexpress.p2p.target import allocate_like
     from modelexpress.transfer.manifest import Manifest
+    hostcopy.NATIVE = what != "pull-pyloop"  # the C piece loop, or the Python one
     info = json.load(open(args.info))
     manifest = Manifest.from_json(info["manifest"])
     endpoint = LocalEndpoint.from_json(info["endpoint"])
@@ -442,6 +446,7 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
 
     from modelexpress.checkpoint import LlamaShape, generate_llama_checkpoint, time_disk_load
     from modelexpress.local import LocalEndpoint, pull
+    from modelexpress.local import hostcopy
     from modelexpress.local.hostcopy import copy_threads
     from modelexpress.p2p.target import allocate_like
     from modelexpress.transfer.manifest import Manifest
@@ -466,10 +471,12 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
         for t in warm_dest.values():
             t.view(-1).view(torch.uint8).fill_(0)
         time_disk_load(ckpt, cold=False)  # the page cache holds the checkpoint from here on
+        native = hostcopy.NATIVE
         keys = ("memcpy_warm", "memcpy_fresh", "memcpy_fresh_populated", "memcpy_fresh_huge",
                 "pull_fresh", "pull_warm", "pull_fresh_memfd", "pull_warm_memfd", "disk_warm",
                 "mapped_torch", "pread_1", "pread_n", "process_disk", "process_pull",
-                "process_pull_memfd")
+                "process_pull_memfd", "pull_fresh_pyloop", "pull_warm_pyloop",
+                "process_pull_pyloop")
         times: dict[str, list[float]] = {k: [] for k in keys}
         phases_fresh: list[dict[str, float]] = []
         phases_warm: list[dict[str, float]] = []
@@ -503,6 +510,16 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             times["pull_warm"].append(r.seconds)
             phases_warm.append(r.phases)
             page_cache.append(r.page_cache_bytes / total)
+            # The same two pulls with the pieces in Python threads (hostcopy.NATIVE off:
+            # the loop before the C one, and where it is not built).
+            hostcopy.NATIVE = False
+            try:
+                dest = allocate_like(manifest)
+                times["pull_fresh_pyloop"].append(pull(endpoint, manifest, dest).seconds)
+                del dest
+                times["pull_warm_pyloop"].append(pull(endpoint, manifest, warm_dest).seconds)
+            finally:
+                hostcopy.NATIVE = native
             # The memfd alone (the transport before the page-cache path), same round.
             dest = allocate_like(manifest_m)
             r = pull(endpoint_m, manifest_m, dest, verify=True)
@@ -519,8 +536,9 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
         # nothing in its heap to reuse, so both pay the new memory's page faults.
         for _ in range(fresh_rounds):
             for what, where in (("disk", info_path), ("pull", info_path),
-                                ("pull_memfd", info_memfd)):
-                got = _host_target(what.split("_")[0], where, ckpt)
+                                ("pull_memfd", info_memfd), ("pull_pyloop", info_path)):
+                got = _host_target({"pull_pyloop": "pull-pyloop"}.get(what, what.split("_")[0]),
+                                   where, ckpt)
                 times[f"process_{what}"].append(got["seconds"])
                 if what == "pull":
                     phases_process.append({"allocate": got["allocate"], **got["phases"]})
@@ -546,6 +564,11 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             "pull_warm_memfd_vs_memcpy_warm": ratio("pull_warm_memfd", "memcpy_warm"),
             "pull_fresh_memfd_vs_memcpy_fresh": ratio("pull_fresh_memfd", "memcpy_fresh"),
             "process_pull_memfd_vs_process_disk": ratio("process_pull_memfd", "process_disk"),
+            # The C piece loop against the Python one (>1: the C loop is faster).
+            "c_loop_vs_python_loop": {
+                "pull_fresh": ratio("pull_fresh", "pull_fresh_pyloop"),
+                "pull_warm": ratio("pull_warm", "pull_warm_pyloop"),
+                "process_pull": ratio("process_pull", "process_pull_pyloop")},
             "page_cache_fraction_median": round(_median(page_cache), 3),
             "strategies_vs_memcpy_warm": {k: ratio(k, "memcpy_warm") for k in
                                           ("mapped_torch", "pread_1", "pread_n",
@@ -597,6 +620,7 @@ def host_main(args: argparse.Namespace) -> None:
                   f"{m['process_pull_memfd']} s {r['process_pull_memfd_vs_process_disk']}) | "
                   f"page cache share {r['page_cache_fraction_median']} | "
                   f"fresh-process pull phases {r['phases_process_pull_median']} | "
+                  f"C loop / Python loop {r['c_loop_vs_python_loop']} | "
                   f"strategies / memcpy warm "
                   f"{r['strategies_vs_memcpy_warm']} | best-round ratios {r['best_ratios']} | "
                   f"phases fresh {r['phases_fresh_median']}",

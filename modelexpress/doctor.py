@@ -45,6 +45,7 @@ _CHECK_MODULES = (
     "modelexpress.vmm.diagnostics",
     "modelexpress.transfer.diagnostics",
     "modelexpress.shm_arena.diagnostics",
+    "modelexpress.local.diagnostics",
     "modelexpress.server.diagnostics",
     "modelexpress.engines.vllm.diagnostics",
 )

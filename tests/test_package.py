@@ -113,6 +113,7 @@ DOCTOR_ON_CI = {
     "ucx transports": {"ok"},
     "shm arena atomics": {"ok"},
     "shm arena round trip": {"ok"},
+    "local host copy loop": {"ok"},
     "server deps": {"ok"},
     "control plane": {"info", "ok"},  # info: no server deployed at MX_SERVER_URL
     "vllm": {"ok"},
@@ -122,6 +123,7 @@ DOCTOR_ON_CI = {
 # the test accepts that unless MX_REQUIRE_DEPS=1 (tests/conftest.py): CI sets it.
 DOCTOR_OPTIONAL = {
     "vmm C extension": ("modelexpress.vmm._alloc_ext",),
+    "local host copy loop": ("modelexpress.local._copyloop",),
     "nixl": ("nixl", "nixl_cu12", "nixl_cu13"),
     "nixl plugins": ("nixl", "nixl_cu12", "nixl_cu13"),
     "ucx transports": ("nixl", "nixl_cu12", "nixl_cu13"),

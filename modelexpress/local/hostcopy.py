@@ -3,12 +3,20 @@
 A pull whose source and destination are both host memory is a copy from the
 source's memfds (or its checkpoint file's page cache) into the destination tensors.
 :class:`HostCopier` cuts each chunk of the plan into pieces and runs them on a few
-threads (``pread`` releases the GIL; see
-:meth:`~modelexpress.local.memory.HostMapping.read_into` for why not a copy from the
-mapping); the threads take the pieces in address order, one at a time, from one
-shared counter, so a large tensor spreads over every thread and a thread that is
-slowed down (a busy core) holds up nothing but its own piece. Digests are checked
-one of two ways:
+threads (``pread``; see :meth:`~modelexpress.local.memory.HostMapping.read_into` for
+why not a copy from the mapping); the threads take the pieces in address order, one
+at a time, from one shared counter, so a large tensor spreads over every thread and a
+thread that is slowed down (a busy core) holds up nothing but its own piece.
+
+Two loops run the pieces. The C loop (``_copyloop``, built with the package) is one
+call that releases the GIL, starts its own threads and reads and hashes every piece
+without Python; what it cannot finish (a page-cache miss, a read error, a digest it
+does not know) it reports, and the Python path finishes it. The Python loop runs the
+same pieces on the process's worker threads (``modelexpress._threads``), where the C
+loop is not built, and for digests other than xxh3 ones. Why the C loop: in Python each
+piece costs GIL-held work on every thread, and a fresh process's 70 MB pull on 16 cores
+spent about twice as long copying as plain reads of the same bytes (docs/benchmarks.md,
+"Local transport on host memory"). Digests are checked one of two ways:
 
 * :class:`DigestsInPass` (xxh3, blake2b: hashes that stream): a tensor's hasher must
   see its bytes in order, while its pieces land on several threads in any order. The
@@ -22,11 +30,15 @@ one of two ways:
 
   With ``xxh3-128-b8m`` (the default digest of host tensors) each 8 MiB block of a
   tensor has a hasher of its own and the pieces are cut at block boundaries, so a
-  piece is a block or part of one (a chunk ends inside it, or a small copy into new
-  memory is cut finer: ``_piece_bytes``): the thread that lands it hashes it when it is
+  piece is a block or part of one (a chunk ends inside it, or a small copy is cut
+  finer: ``_piece_bytes``): the thread that lands it hashes it when it is
   the block's next, and a large tensor is hashed on every thread, not on one after the
   copy.
   (``bench/local.py --host``; docs/benchmarks.md, "Local transport on host memory").
+  The C loop takes the same digests another way: each range (block) whose pieces all
+  land in one copy is hashed whole by the thread that lands its last piece, with the
+  ``xxhash`` package's own ``XXH3_128bits``; a range a chunk end cuts is fed to its
+  Python hasher as above.
 * :class:`DigestsAlongside` (the others, e.g. ``wsum-i32-v1`` of a GPU source): each
   tensor's digest as soon as its last byte has landed, on its own threads, while the
   next chunks are copied::
@@ -43,18 +55,27 @@ before :meth:`HostCopier.copy` returns.
 
 from __future__ import annotations
 
+import array
 import bisect
 import concurrent.futures
 import ctypes
 import errno
+import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelexpress import _threads
 from modelexpress.errors import IntegrityError
+
+try:
+    from modelexpress.local import _copyloop
+except ModuleNotFoundError as _exc:  # not built (no C compiler at install)
+    if _exc.name != "modelexpress.local._copyloop":
+        raise
+    _copyloop = None
 
 if TYPE_CHECKING:
     import torch
@@ -96,6 +117,43 @@ _mincore = _libc.mincore
 _mincore.restype = ctypes.c_int
 _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _prefault_ok = True  # cleared where the kernel does not know MADV_POPULATE_WRITE
+
+# Whether copies run the C piece loop (``_copyloop``: reads and xxh3 digests without
+# the GIL) where it is built; False runs the same pieces in Python threads
+# (bench/local.py --host measures both: --host-loop).
+NATIVE = _copyloop is not None
+_FILE, _PREFAULT = 1, 2  # _copyloop's piece flags
+
+
+class _XXH128(ctypes.Structure):
+    _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
+
+
+@functools.cache
+def _xxh3_address() -> int:
+    """The address of the ``xxhash`` package's own ``XXH3_128bits`` (its runtime-
+    dispatched build where it exports one), once it gave the package's digest of a
+    test input; 0 where there is none (the C loop then copies only where nothing is
+    hashed)."""
+    try:
+        import xxhash
+        from xxhash import _xxhash
+        lib = ctypes.CDLL(_xxhash.__file__)
+    except (ImportError, OSError, AttributeError):
+        return 0
+    probe = bytes(range(256)) * 9 + b"mx"  # past xxh3's short-input paths
+    for name in ("XXH3_128bits_dispatch", "XXH3_128bits"):
+        fn = getattr(lib, name, None)  # None: not exported by this build
+        if fn is None:
+            continue
+        fn.restype, fn.argtypes = _XXH128, [ctypes.c_char_p, ctypes.c_size_t]
+        got = fn(probe, len(probe))
+        if got.high64.to_bytes(8, "big") + got.low64.to_bytes(8, "big") == \
+                xxhash.xxh3_128(probe).digest():
+            return ctypes.cast(fn, ctypes.c_void_p).value or 0
+        log.warning("the xxhash package's %s disagrees with its xxh3_128: host copies "
+                    "hash in Python", name)
+    return 0
 
 
 def _prefault(addr: int, nbytes: int) -> None:
@@ -142,13 +200,13 @@ def copy_threads() -> int:
     return _threads.cpu_threads()
 
 
-def _piece_bytes(total: int, threads: int, new_memory: bool) -> int:
-    """The pieces of a copy of ``total`` bytes on ``threads`` threads: ``_PIECE_BYTES``
-    into touched memory; into new memory halved from it until each thread has about
-    ``_PIECES_PER_THREAD`` of them, but no smaller than ``_MIN_PIECE_BYTES`` (each
-    piece costs some GIL-held Python)."""
+def _piece_bytes(total: int, threads: int, fine: bool) -> int:
+    """The pieces of a copy of ``total`` bytes on ``threads`` threads: ``_PIECE_BYTES``,
+    or where ``fine`` (new memory, or the C loop, whose pieces cost no Python) halved
+    from it until each thread has about ``_PIECES_PER_THREAD`` of them, but no smaller
+    than ``_MIN_PIECE_BYTES``."""
     size = _PIECE_BYTES
-    while new_memory and size > _MIN_PIECE_BYTES and total < size * threads * _PIECES_PER_THREAD:
+    while fine and size > _MIN_PIECE_BYTES and total < size * threads * _PIECES_PER_THREAD:
         size //= 2
     return size
 
@@ -159,11 +217,18 @@ class HostCopier:
     Args:
         mapping: the received memfds.
         threads: copy threads (default :func:`copy_threads`).
+        native: run the C piece loop (``_copyloop``); default :data:`NATIVE`. It is
+            used where it can do the whole job (no digests, or xxh3 ones), else the
+            same pieces run in Python threads.
     """
 
-    def __init__(self, mapping: "HostMapping", threads: int | None = None) -> None:
+    def __init__(self, mapping: "HostMapping", threads: int | None = None,
+                 native: bool | None = None) -> None:
         self.mapping = mapping
         self.threads = threads or copy_threads()
+        self.native = NATIVE if native is None else native
+        if self.native and _copyloop is None:
+            raise ValueError("the C piece loop (modelexpress.local._copyloop) is not built")
 
     def copy(self, copies: Sequence[tuple[int, int, int, int]],
              in_pass: "DigestsInPass | None" = None) -> None:
@@ -175,37 +240,105 @@ class HostCopier:
                 still writes into the destination when this returns or raises).
         """
         total = sum(c[3] for c in copies)
-        # Whether the destination is new memory, judged by its largest copy.
+        native = self.native and (in_pass is None or (in_pass.xxh3 and _xxh3_address() != 0))
+        # Fine pieces in the C loop; in Python only into new memory (judged by the
+        # largest copy's destination): into touched memory a piece copies in well under
+        # 1 ms and its Python costs more than idle threads do.
         big = max(copies, key=lambda c: c[3], default=None)
-        size = _piece_bytes(total, self.threads,
-                            new_memory=big is not None and not _resident(big[2], big[3]))
+        fine = native or (big is not None and not _resident(big[2], big[3]))
+        size = _piece_bytes(total, self.threads, fine)
         if in_pass is not None:
             pieces = in_pass.pieces(copies, size)
         else:
             pieces = [(seg, off + a, dst + a, min(size, n - a), None)
                       for seg, off, dst, n in copies for a in range(0, n, size)]
         workers = 1 if total < _INLINE_BYTES else min(self.threads, len(pieces))
-        read, from_file = self.mapping.read_into, self.mapping.from_file
-
-        def one(piece: tuple[int, int, int, int, "_Stream | None"]) -> None:
-            seg, off, dst, n, stream = piece
-            if not from_file(seg):
-                _prefault(dst, n)
-            read(seg, off, dst, n)
-            if stream is not None:
-                stream.landed(dst, n)
-
+        if native:
+            self._copy_native(pieces, workers)
+            return
         # The calling thread copies too, the process's worker threads beside it, taking
         # pieces in order from one counter (modelexpress._threads.run_shared): no thread
         # is started, none is woken for a copy the caller does alone, and every piece
         # has finished when this returns or raises, so a failed piece never leaves
         # another one writing into memory the caller is about to reuse or free.
-        _threads.run_shared(pieces, one, threads=workers)
+        _threads.run_shared(pieces, self._one, threads=workers)
+
+    def _one(self, piece: "_Piece") -> None:
+        seg, off, dst, n, stream = piece
+        if not self.mapping.from_file(seg):
+            _prefault(dst, n)
+        self.mapping.read_into(seg, off, dst, n)
+        if stream is not None:
+            stream.landed(dst, n)
+
+    def _copy_native(self, pieces: "Sequence[_Piece]", workers: int) -> None:
+        """The pieces read by the C loop, without the GIL; each range it hashes whole
+        is done, and whatever it could not finish (a page-cache miss, a read error, a
+        range begun in an earlier chunk) is finished here by :meth:`_one`'s path."""
+        # Ranges the loop hashes: untouched so far and landed whole by this copy.
+        covered: dict[int, int] = {}
+        for *_, n, stream in pieces:
+            if stream is not None:
+                covered[id(stream)] = covered.get(id(stream), 0) + n
+        streams: list[_Stream] = []
+        index: dict[int, int] = {}
+        for *_, stream in pieces:
+            if stream is not None and id(stream) not in index and stream.untouched() \
+                    and covered[id(stream)] == stream.nbytes:
+                index[id(stream)] = len(streams)
+                streams.append(stream)
+        flat, left = array.array("q"), array.array("q", [0] * len(streams))
+        files = []
+        for seg, off, dst, n, stream in pieces:
+            src = self.mapping.read_source(seg, off, n)
+            fd, at, from_file = src if src is not None else (-1, 0, False)
+            s = index.get(id(stream), -1) if stream is not None else -1
+            if s >= 0:
+                left[s] += 1
+            files.append(from_file)
+            flat.extend((fd, at, dst, n, _FILE if from_file else _PREFAULT, s))
+        ranges = array.array("q", [v for st in streams for v in (st.base, st.nbytes)])
+        done, err = array.array("q", [0] * len(pieces)), array.array("q", [0] * len(pieces))
+        digests, hashed = bytearray(16 * len(streams)), bytearray(len(streams))
+        _copyloop.run(flat, ranges, left, done, err, digests, hashed, workers,
+                      _xxh3_address() if streams else 0)
+
+        from_files = sum(got for got, f in zip(done, files) if f)
+        if from_files:
+            self.mapping.count_file_bytes(from_files)
+        rest = [(seg, off + got, dst + got, n - got, None)
+                for (seg, off, dst, n, _), got in zip(pieces, done) if got < n]
+        if rest:
+            log.debug("%d of %d pieces left short by the C loop (page-cache misses or "
+                      "read errors, errno %s): read the rest in Python", len(rest),
+                      len(pieces), sorted({e for e in err if e}))
+            _threads.run_shared(rest, self._one, threads=min(workers, len(rest)))
+        for s, stream in enumerate(streams):
+            if hashed[s]:
+                stream.hashed(bytes(digests[16 * s:16 * s + 16]))
+        for _, _, dst, n, stream in pieces:
+            if stream is not None and not (id(stream) in index and hashed[index[id(stream)]]):
+                stream.landed(dst, n)
 
     def close(self) -> None:
         """(Nothing to release: the copy threads are the process's, see
-        :mod:`modelexpress._threads`; a copy has returned only once all its pieces
-        finished.)"""
+        :mod:`modelexpress._threads`, or the C loop's own, ended when it returns; a
+        copy has returned only once all its pieces finished.)"""
+
+
+class _Digest:
+    """A range's digest taken by the C loop, read like a finished hasher's."""
+
+    __slots__ = ("_bytes",)
+
+    def __init__(self, canonical: bytes) -> None:
+        self._bytes = canonical
+
+    def digest(self) -> bytes:
+        return self._bytes
+
+    def hexdigest(self) -> str:
+        return self._bytes.hex()
 
 
 class _Stream:
@@ -213,19 +346,34 @@ class _Stream:
     block-wise digest), how many of its bytes it was fed, and the pieces landed beyond
     that, waiting for it (:meth:`landed`)."""
 
-    __slots__ = ("base", "nbytes", "h", "view", "fed", "_waiting", "_hashing", "_lock")
+    __slots__ = ("base", "nbytes", "h", "_new", "view", "fed", "_waiting", "_hashing", "_lock")
 
-    def __init__(self, base: int, nbytes: int, h: Any) -> None:
-        self.base, self.nbytes, self.h = base, nbytes, h
-        # A view of the destination's bytes by address (the tensor is contiguous host
-        # memory, kept alive by the caller): ~2 us, where torch's view + numpy took
-        # ~15 us a tensor, a third of a millisecond of a 70 MB pull's set-up.
-        self.view = (memoryview((ctypes.c_ubyte * nbytes).from_address(base))
-                     if nbytes else memoryview(b""))
+    def __init__(self, base: int, nbytes: int, new_hasher: Callable[[], Any]) -> None:
+        self.base, self.nbytes = base, nbytes
+        # The hasher and the view of the bytes are made when Python first hashes here
+        # (the C loop hashes most ranges itself: a pull's set-up makes neither).
+        self.h: Any = None
+        self._new = new_hasher
+        self.view: memoryview | None = None
         self.fed = 0
         self._waiting: dict[int, int] = {}  # offset in the range -> bytes landed there
         self._hashing = False
         self._lock = threading.Lock()
+
+    def untouched(self) -> bool:
+        """Whether none of this range's bytes was fed or is waiting to be."""
+        with self._lock:
+            return self.fed == 0 and not self._waiting and not self._hashing
+
+    def hashed(self, canonical: bytes) -> None:
+        """The whole range was hashed elsewhere (the C loop): its digest."""
+        self.h, self.fed = _Digest(canonical), self.nbytes
+
+    def hasher(self) -> Any:
+        """The range's hasher (made now if nothing was hashed yet: an empty range's)."""
+        if self.h is None:
+            self.h = self._new()
+        return self.h
 
     def landed(self, dst: int, n: int) -> None:
         """``n`` bytes landed at ``dst`` (inside this range): hash them now if they are
@@ -246,8 +394,18 @@ class _Stream:
                 if not take:
                     self._hashing = False
                     return
-            self.h.update(self.view[self.fed:self.fed + take])
+            if self.view is None:
+                # A view of the destination's bytes by address (the tensor is contiguous
+                # host memory, kept alive by the caller): ~2 us, where torch's view +
+                # numpy took ~15 us a tensor.
+                self.view = memoryview((ctypes.c_ubyte * self.nbytes).from_address(self.base))
+            self.hasher().update(self.view[self.fed:self.fed + take])
             self.fed += take
+
+
+# A piece of a copy: (segment, offset in it, destination address, bytes, the range it
+# lands in: None where no digest is taken of it).
+_Piece = tuple[int, int, int, int, "_Stream | None"]
 
 
 class DigestsInPass:
@@ -267,8 +425,14 @@ class DigestsInPass:
 
     def __init__(self, algorithm: str, order: Sequence[Any],
                  tensors: Mapping[str, "torch.Tensor"], peer: str) -> None:
-        from modelexpress.transfer.digest import block_bytes, hasher
+        from modelexpress.transfer.digest import XXH3, XXH3_BLOCKS, block_bytes, hasher
         self.algorithm, self.peer = algorithm, peer
+
+        def new_hasher() -> Any:
+            return hasher(algorithm)
+
+        # Each range's digest is the xxh3-128 of its bytes: the C loop can take it.
+        self.xxh3 = algorithm in (XXH3, XXH3_BLOCKS)
         block = block_bytes(algorithm)
         # (name, expected digest, bytes, its streams in byte order)
         self._tensors: list[tuple[str, str, int, list[_Stream]]] = []
@@ -279,7 +443,7 @@ class DigestsInPass:
             t = tensors[p.name]
             base, nbytes = t.data_ptr(), t.numel() * t.element_size()
             step = block or nbytes or 1
-            parts = [_Stream(base + a, min(step, nbytes - a), hasher(algorithm))
+            parts = [_Stream(base + a, min(step, nbytes - a), new_hasher)
                      for a in range(0, nbytes or 1, step)]
             self._tensors.append((p.name, p.remote.digest, nbytes, parts))
             self._streams += parts
@@ -290,11 +454,11 @@ class DigestsInPass:
         self._ranges = ranges
 
     def pieces(self, copies: Sequence[tuple[int, int, int, int]], piece_bytes: int
-               ) -> list[tuple[int, int, int, int, "_Stream | None"]]:
+               ) -> "list[_Piece]":
         """The chunk's runs cut at tensor (and block) boundaries and into pieces of at
         most ``piece_bytes``, in address order, each with the stream of its range (None:
         bytes of no digested tensor)."""
-        out: list[tuple[int, int, int, int, _Stream | None]] = []
+        out: list[_Piece] = []
         for seg, off, dst, n in copies:
             pos = 0
             while pos < n:
@@ -333,9 +497,9 @@ class DigestsInPass:
             if fed != nbytes:
                 got = f"(only {fed} of {nbytes} bytes hashed)"
             elif blocks:
-                got = combine_blocks([st.h for st in parts], nbytes)
+                got = combine_blocks([st.hasher() for st in parts], nbytes)
             else:
-                got = stream_digest(parts[0].h, nbytes)
+                got = stream_digest(parts[0].hasher(), nbytes)
             if got != want:
                 bad.append((name, want, got))
         if bad:

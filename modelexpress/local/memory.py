@@ -367,6 +367,30 @@ class HostMapping(ClosedOnCollect):
         """File segments usable here (see ``files``)."""
         return len(self._ext)
 
+    def read_source(self, segment: int, offset: int, nbytes: int) -> tuple[int, int, bool] | None:
+        """Where a read of ``nbytes`` at ``offset`` of ``segment`` starts, for a reader
+        of its own (``hostcopy``'s native loop): ``(fd, offset in fd, from a file)``,
+        a file to be read without waiting (``RWF_NOWAIT``; what the page cache does not
+        hold is left to :meth:`read_into`). None where only :meth:`read_into` can read
+        it (a file segment while :attr:`files_on` is off, a closed mapping, a range
+        outside the segment)."""
+        if self._closed or offset < 0 or nbytes < 0:
+            return None
+        if segment < len(self._where):
+            s, e, _ = self._where[segment]
+            return (self._fds[segment], offset, False) if offset + nbytes <= e - s else None
+        j = segment - len(self._where)
+        if not self.files_on or j >= len(self._ext):
+            return None
+        s, e, fd, foff = self._ext[j]
+        return (fd, foff + offset, True) if offset + nbytes <= e - s else None
+
+    def count_file_bytes(self, nbytes: int) -> None:
+        """Add ``nbytes`` read from a file's page cache by a reader of its own
+        (:meth:`read_source`) to :attr:`file_bytes`."""
+        with self._count:
+            self.file_bytes += nbytes
+
     def read_into(self, segment: int, offset: int, dst_addr: int, nbytes: int) -> None:
         """Copy ``nbytes`` at ``offset`` of a shared memfd to ``dst_addr`` (host memory)
         with ``pread``: the GIL is released, so several threads copy in parallel.

@@ -9,8 +9,9 @@ source: ``python _peers.py source OUT.json --layout buffer|arena|buffers|checkpo
     does (``load_checkpoint_shared``: the file's page cache served too);
     ``checkpoint_stale``: the same, but the buffer's file origin is a second file whose
     first tensor differs (a file changed in a way no fstat shows).
-target: ``python _peers.py target IN.json [--token T]`` pulls everything and prints one
-    JSON line: {"ok", "pid", "nbytes", "copies", "error", "fds_before", "fds_after"}.
+target: ``python _peers.py target IN.json [--token T] [--python-loop]`` pulls everything
+    and prints one JSON line: {"ok", "pid", "nbytes", "copies", "error", "fds_before",
+    "fds_after"}. ``--python-loop``: host copies in Python threads, not the C loop.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def run_target(args: argparse.Namespace) -> None:
         ep = dict(ep, token=args.token)
     endpoint = LocalEndpoint.from_json(ep)
     manifest = Manifest.from_json(info["manifest"])
+    if args.python_loop:
+        from modelexpress.local import hostcopy
+        hostcopy.NATIVE = False
     arena = None
     if args.dst_arena:  # the target loads in its own VMM arena (MX_VMM_ARENA=1)
         from modelexpress.vmm import maybe_enter_vmm_arena
@@ -199,6 +203,8 @@ def main() -> None:
     p.add_argument("--chunk-bytes", type=int, default=1 << 30)
     p.add_argument("--dst-arena", action="store_true", help="destination in a VMM arena")
     p.add_argument("--digest", default="", help="source's digest algorithm (default: its default)")
+    p.add_argument("--python-loop", action="store_true",
+                   help="target: host copies in Python threads (hostcopy.NATIVE off)")
     args = p.parse_args()
     if args.role == "source":
         args.out = args.path

@@ -42,10 +42,11 @@ def _nowait_works(path: str) -> bool:
         os.close(fd)
 
 
+@pytest.mark.parametrize("loop", ["c", "python"])
 def test_a_source_loaded_from_a_checkpoint_serves_its_page_cache_and_every_byte_arrives(
-        make_source):
+        make_source, loop):
     src = make_source("checkpoint", mib=12)
-    out = _target(src)
+    out = _target(src, *(["--python-loop"] if loop == "python" else []))
     assert out["ok"], out["error"]
     from modelexpress.transfer.manifest import Manifest
     assert out["equal"] and out["verified"] == len(Manifest.from_json(src.info["manifest"]).tensors)
@@ -82,8 +83,9 @@ def test_file_bytes_that_fail_their_digest_are_copied_again_from_the_memfds(make
     assert "copying everything again from its memfds" in out["log"]
 
 
+@pytest.mark.parametrize("loop", ["c", "python"])
 def test_an_evicted_page_cache_is_read_from_the_memfds_without_waiting_for_the_disk(
-        make_source):
+        make_source, loop):
     src = make_source("checkpoint", mib=8)
     path = src.info["checkpoint"]
     fd = os.open(path, os.O_RDONLY)
@@ -92,7 +94,7 @@ def test_an_evicted_page_cache_is_read_from_the_memfds_without_waiting_for_the_d
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    out = _target(src)
+    out = _target(src, *(["--python-loop"] if loop == "python" else []))
     assert out["ok"], out["error"]
     assert out["equal"]
     assert out["page_cache_bytes"] < out["nbytes"]

@@ -63,14 +63,19 @@ def _copies(mapping: HostMapping, pairs, dst, chunk: int):  # type: ignore[no-un
     return chunks
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["python-loop", "c-loop"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("algo", [digest.XXH3_BLOCKS, digest.XXH3, digest.BLAKE2B])
-def test_digests_in_the_copy_pass_equal_the_digests_of_the_landed_bytes(seed, threads, algo):
+def test_digests_in_the_copy_pass_equal_the_digests_of_the_landed_bytes(seed, threads, algo,
+                                                                         native):
     """Tensors split across chunks, one tensor outweighing the others (its pieces land
     on every thread, in any order, and are hashed in order), tiny and empty tensors, a
     tensor without a digest: every byte lands and every digest is checked. With 4 MiB
     chunks a block of ``xxh3-128-b8m`` is cut in two by a chunk end (its hasher is fed
-    from two copies), and the 19 MiB tensor has three blocks, the last a short one."""
+    from two copies), and the 19 MiB tensor has three blocks, the last a short one.
+    The C loop hashes each xxh3 range that lands whole in one copy itself, and leaves
+    those a chunk end cuts to the Python hashers (blake2b: the Python loop runs)."""
+    from modelexpress.local.hostcopy import _Digest
     sizes = [3 << 20, 5, 0, 19 << 20 | 4097, 4097, 1 << 20, 77, 6 << 20]
     buf, spans = _source(sizes, seed)
     mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
@@ -79,10 +84,15 @@ def test_digests_in_the_copy_pass_equal_the_digests_of_the_landed_bytes(seed, th
         dst = {p.name: torch.full((p.remote.nbytes,), 7, dtype=torch.uint8) for p in pairs}
         check = digests_for(algo, pairs, dst, "test peer")
         assert isinstance(check, DigestsInPass)
-        copier = HostCopier(mapping, threads=threads)
+        copier = HostCopier(mapping, threads=threads, native=native)
         for chunk in _copies(mapping, pairs, dst, chunk=4 << 20):
             copier.copy(chunk, check)
         copier.close()
+        in_c = [isinstance(st.h, _Digest) for st in check._streams]
+        if native and algo != digest.BLAKE2B:
+            assert any(in_c) and not all(in_c)  # ranges cut by a chunk end: in Python
+        else:
+            assert not any(in_c)
         assert check.finish() == len(pairs) - 1
         src = buf.tensor(0, (buf.nbytes,), torch.uint8)
         for p, (off, n) in zip(pairs, spans):
@@ -107,7 +117,7 @@ def test_pieces_landing_out_of_order_on_several_threads_are_hashed_in_order(seed
     pieces = [(data.data_ptr() + a, b - a) for a, b in zip(cuts, cuts[1:])]
     order = list(reversed(pieces[:5])) + random.Random(seed + 1).sample(pieces[5:],
                                                                         len(pieces) - 5)
-    stream = _Stream(data.data_ptr(), n, digest.hasher(algo))
+    stream = _Stream(data.data_ptr(), n, lambda: digest.hasher(algo))
     queue = iter(order)
     lock = threading.Lock()
 
@@ -178,24 +188,26 @@ def _copy_threads() -> list[int]:
 
 
 def test_a_copy_into_new_memory_too_small_for_its_threads_is_cut_into_finer_pieces():
-    """Into new memory, 8 MiB pieces while every thread gets about four; finer (down to
-    1 MiB) when not: 70 MB on 16 threads in 1 MiB pieces, on 2 threads in 8 MiB; 1 GiB
-    in 8 MiB. Into touched memory always 8 MiB."""
+    """Fine pieces (into new memory, or in the C loop): 8 MiB while every thread gets
+    about four; finer (down to 1 MiB) when not: 70 MB on 16 threads in 1 MiB pieces, on 2
+    threads in 8 MiB; 1 GiB in 8 MiB. Else (the Python loop into touched memory) always
+    8 MiB."""
     from modelexpress.local.hostcopy import _piece_bytes
     mib = 1 << 20
-    assert _piece_bytes(70_483_200, 16, new_memory=True) == mib
-    assert _piece_bytes(70_483_200, 2, new_memory=True) == 8 * mib
-    assert _piece_bytes(300 * mib, 16, new_memory=True) == 4 * mib
-    assert _piece_bytes(1 << 30, 16, new_memory=True) == 8 * mib
-    assert _piece_bytes(3 * mib, 3, new_memory=True) == mib  # never under the floor
-    assert _piece_bytes(70_483_200, 16, new_memory=False) == 8 * mib
-    assert _piece_bytes(3 * mib, 3, new_memory=False) == 8 * mib
+    assert _piece_bytes(70_483_200, 16, fine=True) == mib
+    assert _piece_bytes(70_483_200, 2, fine=True) == 8 * mib
+    assert _piece_bytes(300 * mib, 16, fine=True) == 4 * mib
+    assert _piece_bytes(1 << 30, 16, fine=True) == 8 * mib
+    assert _piece_bytes(3 * mib, 3, fine=True) == mib  # never under the floor
+    assert _piece_bytes(70_483_200, 16, fine=False) == 8 * mib
+    assert _piece_bytes(3 * mib, 3, fine=False) == 8 * mib
 
 
 def test_the_copier_cuts_finer_pieces_only_into_new_memory(seed):
     """The copier asks the kernel whether the destination was touched (``mincore``):
     a 24 MiB copy on 8 threads goes in 1 MiB pieces into a new allocation and in
-    8 MiB pieces into the same memory once written; the bytes land either way."""
+    8 MiB pieces into the same memory once written; the bytes land either way. (The
+    pieces are cut before either loop runs them: the Python loop's reads are counted.)"""
     import mmap
     n = 24 << 20
     buf, _ = _source([n], seed)
@@ -212,7 +224,7 @@ def test_the_copier_cuts_finer_pieces_only_into_new_memory(seed):
 
     mapping.read_into = recording  # type: ignore[method-assign]
     try:
-        copier = HostCopier(mapping, threads=8)
+        copier = HostCopier(mapping, threads=8, native=False)
         copier.copy([(0, 0, dst.data_ptr(), n)])
         assert set(sizes) == {1 << 20} and len(sizes) == 24
         assert torch.equal(dst, buf.tensor(0, (n,), torch.uint8))
@@ -235,7 +247,7 @@ def test_copy_threads_are_the_processes_and_a_failed_lane_waits_for_the_others(s
     mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
     try:
         dst = torch.zeros(6 << 20, dtype=torch.uint8)
-        copier = HostCopier(mapping, threads=3)
+        copier = HostCopier(mapping, threads=3, native=False)
         thirds = [(0, a, dst.data_ptr() + a, 2 << 20) for a in (0, 2 << 20, 4 << 20)]
         copier.copy(thirds)  # three pieces: the caller and two copy threads
         first = _copy_threads()
@@ -262,6 +274,56 @@ def test_copy_threads_are_the_processes_and_a_failed_lane_waits_for_the_others(s
         buf.close()
 
 
+def test_the_c_loop_reads_every_piece_without_python_and_a_failed_piece_raises_last(seed):
+    """The C loop reads the pieces itself (no ``read_into`` call); a piece into an
+    address that is not mapped is left to the Python path, which raises, after every
+    other piece has landed."""
+    from modelexpress.errors import BackendError
+    buf, _ = _source([6 << 20], seed)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    calls: list[tuple[int, int]] = []
+    read = mapping.read_into
+
+    def recording(seg: int, off: int, addr: int, nbytes: int) -> None:
+        calls.append((off, nbytes))
+        read(seg, off, addr, nbytes)
+
+    mapping.read_into = recording  # type: ignore[method-assign]
+    try:
+        dst = torch.zeros(6 << 20, dtype=torch.uint8)
+        want = buf.tensor(0, (6 << 20,), torch.uint8)
+        copier = HostCopier(mapping, threads=3, native=True)
+        copier.copy([(0, a, dst.data_ptr() + a, 2 << 20) for a in (0, 2 << 20, 4 << 20)])
+        assert calls == [] and torch.equal(dst, want)
+        dst.zero_()
+        bad = [(0, 0, 4096, 2 << 20), (0, 2 << 20, dst.data_ptr() + (2 << 20), 4 << 20)]
+        with pytest.raises(BackendError, match="failed"):
+            copier.copy(bad)
+        # only the failed pieces (the C loop cut the copy in 1 MiB), again, in Python
+        assert sorted(calls) == [(0, 1 << 20), (1 << 20, 1 << 20)]
+        assert torch.equal(dst[2 << 20:], want[2 << 20:])
+    finally:
+        mapping.close()
+        buf.close()
+
+
+def test_the_c_loop_digest_is_the_xxhash_packages():
+    """The C loop hashes through the xxhash package's own XXH3_128bits, checked once
+    against ``xxhash.xxh3_128`` (a build that disagreed would leave hashing to Python)."""
+    import ctypes
+
+    import xxhash
+
+    from modelexpress.local import hostcopy
+    addr = hostcopy._xxh3_address()
+    assert addr
+    fn = ctypes.CFUNCTYPE(hostcopy._XXH128, ctypes.c_char_p, ctypes.c_size_t)(addr)
+    for data in (b"", b"x", bytes(range(256)) * 4099):
+        got = fn(data, len(data))
+        want = xxhash.xxh3_128(data).digest()
+        assert got.high64.to_bytes(8, "big") + got.low64.to_bytes(8, "big") == want
+
+
 def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
     """A process that forks after a parallel copy (an engine forking its workers): the
     parent's copy threads do not exist in the child, which starts its own."""
@@ -272,7 +334,7 @@ def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
     try:
         landed = torch.empty(4 << 20, dtype=torch.uint8)
         halves = [(0, a, landed.data_ptr() + a, 2 << 20) for a in (0, 2 << 20)]
-        HostCopier(mapping, threads=2).copy(halves)  # two pieces: a copy thread takes one
+        HostCopier(mapping, threads=2, native=False).copy(halves)  # a copy thread takes one
         assert _copy_threads()
         want = bytes(buf.tensor(0, (4 << 20,), torch.uint8).numpy())
         pid = os.fork()
@@ -280,7 +342,7 @@ def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
             code = 1
             try:
                 out = (ctypes.c_ubyte * (4 << 20))()
-                HostCopier(mapping, threads=2).copy(
+                HostCopier(mapping, threads=2, native=False).copy(
                     [(0, a, ctypes.addressof(out) + a, 2 << 20) for a in (0, 2 << 20)])
                 code = 0 if bytes(out) == want else 2
             finally:

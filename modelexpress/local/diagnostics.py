@@ -1,0 +1,25 @@
+"""`modelexpress doctor` check of the local transport: the host copier's C loop."""
+
+from __future__ import annotations
+
+from modelexpress.doctor import Check, CheckResult
+
+__all__ = ["doctor_checks"]
+
+
+def _copy_loop() -> CheckResult:
+    from modelexpress.local import hostcopy
+    name = "local host copy loop"
+    if not hostcopy.NATIVE:
+        return CheckResult(name, "warn",
+                           "Python threads (slower on many cores); reinstall with a C "
+                           "compiler to build modelexpress.local._copyloop")
+    if not hostcopy._xxh3_address():
+        return CheckResult(name, "warn",
+                           "C extension, but the xxhash package exports no usable "
+                           "XXH3_128bits: pulls verifying xxh3 digests copy in Python threads")
+    return CheckResult(name, "ok", "C extension (reads and xxh3 digests without the GIL)")
+
+
+def doctor_checks() -> list[Check]:
+    return [Check("local host copy loop", _copy_loop)]
