@@ -388,6 +388,16 @@ def _populate(addr: int, nbytes: int, huge: bool) -> None:
     hostcopy._madvise(start, (addr + nbytes - start + 4095) & ~4095, 23)  # POPULATE_WRITE
 
 
+def _settle() -> None:
+    """Let torch's intra-op (OpenMP) threads go idle before the next timed row: after a
+    parallel copy they spin for a few milliseconds (libgomp's spin-wait), and a pull
+    timed in that window shares the cores with them (the 16-core host, a 70 MB pull
+    into touched memory: 7.6 ms as the first pull after a memcpy, 3.0-3.5 ms later in
+    the same round; docs/gpu-logs/2026-12-03-s13/probe_touched*.log). Every row waits
+    alike, the baselines too."""
+    time.sleep(0.05)
+
+
 def _median(xs: list[float]) -> float:
     import statistics
     return statistics.median(xs)
@@ -483,10 +493,12 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
         phases_process: list[dict[str, float]] = []
         page_cache: list[float] = []  # fraction of the pull's bytes read from the page cache
         for _ in range(rounds):
+            _settle()
             t0 = time.perf_counter()
             dst.copy_(src)
             times["memcpy_warm"].append(time.perf_counter() - t0)
             fresh = torch.empty(total, dtype=torch.uint8)
+            _settle()
             t0 = time.perf_counter()
             fresh.copy_(src)
             times["memcpy_fresh"].append(time.perf_counter() - t0)
@@ -495,17 +507,20 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             # (what hostcopy._prefault does, and the huge-page variant it does not).
             for key, huge in (("memcpy_fresh_populated", False), ("memcpy_fresh_huge", True)):
                 fresh = torch.empty(total, dtype=torch.uint8)
+                _settle()
                 t0 = time.perf_counter()
                 _populate(fresh.data_ptr(), total, huge)
                 fresh.copy_(src)
                 times[key].append(time.perf_counter() - t0)
                 del fresh
             dest = allocate_like(manifest)  # new memory, as `modelexpress pull` gets it
+            _settle()
             r = pull(endpoint, manifest, dest, verify=True)
             assert r.verified == len(manifest.tensors), r
             times["pull_fresh"].append(r.seconds)
             phases_fresh.append(r.phases)
             del dest
+            _settle()
             r = pull(endpoint, manifest, warm_dest, verify=True)
             times["pull_warm"].append(r.seconds)
             phases_warm.append(r.phases)
@@ -515,21 +530,27 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             hostcopy.NATIVE = False
             try:
                 dest = allocate_like(manifest)
+                _settle()
                 times["pull_fresh_pyloop"].append(pull(endpoint, manifest, dest).seconds)
                 del dest
+                _settle()
                 times["pull_warm_pyloop"].append(pull(endpoint, manifest, warm_dest).seconds)
             finally:
                 hostcopy.NATIVE = native
             # The memfd alone (the transport before the page-cache path), same round.
             dest = allocate_like(manifest_m)
+            _settle()
             r = pull(endpoint_m, manifest_m, dest, verify=True)
             assert r.verified == len(manifest.tensors) and r.page_cache_bytes == 0, r
             times["pull_fresh_memfd"].append(r.seconds)
             del dest
+            _settle()
             r = pull(endpoint_m, manifest_m, warm_dest, verify=True)
             times["pull_warm_memfd"].append(r.seconds)
+            _settle()
             times["disk_warm"].append(time_disk_load(ckpt, cold=False))
             for how in ("mapped_torch", "pread_1", "pread_n"):
+                _settle()
                 times[how].append(_variant(endpoint_m, manifest_m, warm_dest, how))
 
         # A fresh process each, as a user's `modelexpress pull` or a new engine's load:

@@ -88,19 +88,18 @@ __all__ = ["DigestsAlongside", "DigestsInPass", "HostCopier", "copy_threads",
 log = logging.getLogger(__name__)
 
 # A chunk's copies are cut into pieces of at most this many bytes, so that one large
-# tensor spreads over every thread; smaller copies are pieces of their own. A piece is
-# hashed right after it lands (DigestsInPass), from the CPU's caches, and costs some
-# GIL-held Python (~10-20 us) that every thread shares: on the 16-core GPU host a 1 GiB
-# pull took 44 ms in 8 MiB pieces, 47 in 4 MiB and 49 in 2 MiB (docs/benchmarks.md).
-# The blocks of the default digest (xxh3-128-b8m) are as large, so a piece of a large
-# copy is one of its blocks, hashed as a whole by the thread that landed it.
+# tensor spreads over every thread; smaller copies are pieces of their own. In the
+# Python loop a piece costs some GIL-held Python that every thread shares, so pieces
+# stay this large where they can (a 1 GiB pull was slower in smaller ones on the
+# 16-core host; docs/benchmarks.md). The blocks of the default digest (xxh3-128-b8m)
+# are as large, so a piece of a large copy is one of its blocks.
 _PIECE_BYTES = 8 << 20
-# A copy into new memory too small to give each thread several pieces of _PIECE_BYTES
-# is cut finer, down to this: a 70 MB pull on 16 threads had 9 pieces of 8 MiB, so 9
-# threads faulted in new destination pages, a piece each, while 7 had nothing. Into
-# touched memory a piece copies in well under 1 ms and its Python costs more than the
-# idle threads do, so there the pieces stay whole (_piece_bytes; the 16-core host, 70
-# MB: 5.0 ms in 8 MiB pieces, 7.2 in 1 MiB pieces; docs/benchmarks.md).
+# A copy too small to give each thread several pieces of _PIECE_BYTES is cut finer,
+# down to this, where the pieces are cheap (the C loop) or the destination is new
+# memory (its page faults spread over every thread: a 70 MB pull on 16 threads in 8 MiB
+# pieces had 9 threads faulting and 7 idle). The Python loop into touched memory keeps
+# whole pieces: there a piece copies in well under 1 ms and its Python costs more than
+# the idle threads do (_piece_bytes; bench/local.py --host, docs/benchmarks.md).
 _MIN_PIECE_BYTES = 1 << 20
 _PIECES_PER_THREAD = 4
 # Below this a chunk is copied on the calling thread: handing it out costs more.
