@@ -61,28 +61,25 @@ if os.path.exists(_EXT_SOURCE) and os.environ.get("MX_BUILD_EXT", "1") != "0":
         extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden"],
     ))
 
-# Release/acquire atomics for the shm tensor arena (plain C, no libtorch). Optional
-# like the VMM extension: without it modelexpress.shm_arena falls back to Python
-# fences with weaker ordering guarantees (documented in shm_arena/atomics.py).
-_ATOMICS_SOURCE = os.path.join("modelexpress", "shm_arena", "_atomics.c")
-if os.path.exists(_ATOMICS_SOURCE) and os.environ.get("MX_BUILD_EXT", "1") != "0":
-    ext_modules.append(Extension(
-        "modelexpress.shm_arena._atomics",
-        sources=[_ATOMICS_SOURCE],
-        extra_compile_args=["-O2", "-fvisibility=hidden", "-pthread"],
-        extra_link_args=["-pthread"],
-    ))
+def _plain_c(name: str, *path: str) -> None:
+    """A plain-C extension (no libtorch, pthreads), built where its source exists."""
+    source = os.path.join(*path)
+    if os.path.exists(source) and os.environ.get("MX_BUILD_EXT", "1") != "0":
+        ext_modules.append(Extension(
+            name,
+            sources=[source],
+            extra_compile_args=["-O2", "-fvisibility=hidden", "-pthread"],
+            extra_link_args=["-pthread"],
+        ))
 
-# The host copier's piece loop without the GIL (plain C, no libtorch). Optional:
-# without it modelexpress.local.hostcopy runs the same pieces in Python threads.
-_COPYLOOP_SOURCE = os.path.join("modelexpress", "local", "_copyloop.c")
-if os.path.exists(_COPYLOOP_SOURCE) and os.environ.get("MX_BUILD_EXT", "1") != "0":
-    ext_modules.append(Extension(
-        "modelexpress.local._copyloop",
-        sources=[_COPYLOOP_SOURCE],
-        extra_compile_args=["-O2", "-fvisibility=hidden", "-pthread"],
-        extra_link_args=["-pthread"],
-    ))
+
+# Release/acquire atomics for the shm tensor arena. Optional like the VMM extension:
+# without it modelexpress.shm_arena falls back to Python fences with weaker ordering
+# guarantees (documented in shm_arena/atomics.py).
+_plain_c("modelexpress.shm_arena._atomics", "modelexpress", "shm_arena", "_atomics.c")
+# The host copier's piece loop without the GIL. Optional: without it
+# modelexpress.local.hostcopy runs the same pieces in Python threads.
+_plain_c("modelexpress.local._copyloop", "modelexpress", "local", "_copyloop.c")
 
 packages, package_dir = _packages()
 setup(
