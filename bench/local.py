@@ -455,8 +455,7 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
     import torch
 
     from modelexpress.checkpoint import LlamaShape, generate_llama_checkpoint, time_disk_load
-    from modelexpress.local import LocalEndpoint, pull
-    from modelexpress.local import hostcopy
+    from modelexpress.local import LocalEndpoint, hostcopy, pull
     from modelexpress.local.hostcopy import copy_threads
     from modelexpress.p2p.target import allocate_like
     from modelexpress.transfer.manifest import Manifest

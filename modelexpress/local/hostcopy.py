@@ -119,7 +119,7 @@ _prefault_ok = True  # cleared where the kernel does not know MADV_POPULATE_WRIT
 
 # Whether copies run the C piece loop (``_copyloop``: reads and xxh3 digests without
 # the GIL) where it is built; False runs the same pieces in Python threads
-# (bench/local.py --host measures both: --host-loop).
+# (bench/local.py --host measures both: its *_pyloop rows; tests/local/_peers.py).
 NATIVE = _copyloop is not None
 _FILE, _PREFAULT = 1, 2  # _copyloop's piece flags
 
