@@ -84,6 +84,10 @@ class LocalPullResult:
         verified: tensors whose digest was checked.
         page_cache_bytes: bytes read from the source's checkpoint file's page cache
             (the rest of the host bytes from its memfds; :mod:`.origin`).
+        page_cache_misses: reads of that file the page cache did not serve in full
+            (pages evicted since the source's load): their rest came from the memfds,
+            never from waiting on the disk. Each miss also starts the kernel's readahead
+            of those pages, so later pulls (and later reads of this one) may hit again.
     """
 
     transport: str
@@ -96,6 +100,7 @@ class LocalPullResult:
     verified: int
     phases: dict[str, float]
     page_cache_bytes: int = 0
+    page_cache_misses: int = 0
 
 
 class LocalSession(ClosedOnCollect):
@@ -419,7 +424,7 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
     t_map = time.monotonic()
     phases["connect+map"] = t_map - t_conn
     total = sum(p.remote.nbytes for p in pairs)
-    n_copies = page_cache_bytes = 0
+    n_copies = page_cache_bytes = page_cache_misses = 0
     try:
         # A GPU destination copies on its own stream; a host destination of device
         # memory (device -> host) on the stream of the device that memory is mapped for.
@@ -433,6 +438,7 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
             for attempt in (1, 2):
                 t_start = time.monotonic()
                 from_files = host_map.file_bytes if host_map is not None else 0
+                missed = host_map.file_misses if host_map is not None else 0
                 chunks = _plan(session, pairs, tensors, chunk_bytes)
                 n_copies = sum(len(c) for c in chunks)
                 digests = _digests_alongside(manifest, pairs, tensors, chunks, session.peer,
@@ -447,6 +453,7 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
                 phases["copy"] = phases.get("copy", 0.0) + t_copy - t_plan
                 if host_map is not None:
                     page_cache_bytes = host_map.file_bytes - from_files
+                    page_cache_misses = host_map.file_misses - missed
                 try:
                     if digests is not None:  # the tail: digests of the last tensors to land
                         verified = digests.finish()
@@ -479,12 +486,14 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
     # ORDER: the parenthesis first, as bench/vllm_engine.py's _LOCAL_READ_RE reads it.
     log.info("local pull from %s: %d bytes, %d tensors, %d copies in %.3f s (connect+map "
              "%.3f s, copy %.3f s at %.1f GB/s, digests %.3f s); %d bytes from the page cache "
-             "of the source's checkpoint file", session.peer, total, len(pairs), n_copies,
-             seconds, phases.get("connect+map", 0.0), phases.get("copy", 0.0), gbps,
-             phases.get("verify", 0.0), page_cache_bytes)
+             "of the source's checkpoint file (%d reads found pages evicted: the memfds instead)",
+             session.peer, total, len(pairs), n_copies, seconds,
+             phases.get("connect+map", 0.0), phases.get("copy", 0.0), gbps,
+             phases.get("verify", 0.0), page_cache_bytes, page_cache_misses)
     return LocalPullResult(transport=TRANSPORT, nbytes=total, tensors=len(pairs), copies=n_copies,
                            segments=kinds, seconds=seconds, gbps=gbps, verified=verified,
-                           phases=phases, page_cache_bytes=page_cache_bytes)
+                           phases=phases, page_cache_bytes=page_cache_bytes,
+                           page_cache_misses=page_cache_misses)
 
 
 _COPY_STREAMS = 4  # side streams device copies are spread over

@@ -303,8 +303,11 @@ class HostCopier:
                       _xxh3_address() if streams else 0)
 
         from_files = sum(got for got, f in zip(done, files) if f)
-        if from_files:
-            self.mapping.count_file_bytes(from_files)
+        # A file piece left short with no error: the page cache did not hold the rest.
+        misses = sum(1 for got, (*_, n, _), f, e in zip(done, pieces, files, err)
+                     if f and got < n and not e)
+        if from_files or misses:
+            self.mapping.count_file_bytes(from_files, misses)
         rest = [(seg, off + got, dst + got, n - got, None)
                 for (seg, off, dst, n, _), got in zip(pieces, done) if got < n]
         if rest:

@@ -284,6 +284,11 @@ class HostMapping(ClosedOnCollect):
         self._ext_fds = list(dict.fromkeys(fd for _, fd in files))  # each closed once
         self.files_on = True  # False: every read from the memfds (see read_into)
         self.file_bytes = 0   # bytes read_into took from a file's page cache
+        # Reads of a file segment the page cache did not serve in full (evicted pages).
+        # Such a read also starts the kernel's readahead of what it missed (measured on
+        # Linux 6.18: RWF_NOWAIT returns EAGAIN and queues the disk read), so a later
+        # read of those bytes may hit: a miss says where the memfds served, not how much.
+        self.file_misses = 0
         self._count = threading.Lock()
         pending = list(fds) + self._ext_fds
         try:
@@ -385,11 +390,13 @@ class HostMapping(ClosedOnCollect):
         s, e, fd, foff = self._ext[j]
         return (fd, foff + offset, True) if offset + nbytes <= e - s else None
 
-    def count_file_bytes(self, nbytes: int) -> None:
+    def count_file_bytes(self, nbytes: int, misses: int = 0) -> None:
         """Add ``nbytes`` read from a file's page cache by a reader of its own
-        (:meth:`read_source`) to :attr:`file_bytes`."""
+        (:meth:`read_source`) to :attr:`file_bytes`, and the reads it left short because
+        the page cache did not hold the bytes to :attr:`file_misses`."""
         with self._count:
             self.file_bytes += nbytes
+            self.file_misses += misses
 
     def read_into(self, segment: int, offset: int, dst_addr: int, nbytes: int) -> None:
         """Copy ``nbytes`` at ``offset`` of a shared memfd to ``dst_addr`` (host memory)
@@ -435,15 +442,15 @@ class HostMapping(ClosedOnCollect):
                 got = read_cached(fd, foff + offset, dst_addr, nbytes)
             except OSError as exc:
                 log.debug("reading a file segment failed (%s): the memfd instead", exc)
-            if got == NOWAIT_UNSUPPORTED:
-                if self.files_on:
-                    log.info("the source's checkpoint file cannot be read without waiting "
-                             "on its filesystem: reading its memfds instead")
-                self.files_on = False
-                got = 0
-            if got:
-                with self._count:
-                    self.file_bytes += got
+            else:
+                if got == NOWAIT_UNSUPPORTED:
+                    if self.files_on:
+                        log.info("the source's checkpoint file cannot be read without "
+                                 "waiting on its filesystem: reading its memfds instead")
+                    self.files_on = False
+                    got = 0
+                else:
+                    self.count_file_bytes(got, misses=int(got < nbytes))
         if got < nbytes:
             k = self._find(s + offset + got, nbytes - got)
             self.read_into(k, s + offset + got - self._where[k][0], dst_addr + got,

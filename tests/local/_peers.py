@@ -164,6 +164,7 @@ def run_target(args: argparse.Namespace) -> None:
                            for k in want)
         out["segments"] = res.segments
         out["page_cache_bytes"] = res.page_cache_bytes
+        out["page_cache_misses"] = res.page_cache_misses
     except Exception as exc:  # noqa: BLE001 - reported to the test as JSON
         out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
     if arena is not None:
