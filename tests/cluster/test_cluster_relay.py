@@ -142,17 +142,27 @@ def test_a_relay_sigkilled_mid_transfer_does_not_fail_its_downstream(
 def test_a_stop_through_the_rest_api_ends_a_relayed_transfer(
         netns: NetnsCluster, tmp_path: pathlib.Path, checkpoint: pathlib.Path) -> None:
     fleet, _, targets, _, ident = _start(netns, tmp_path, checkpoint, 2, 40)
-    first, second = _create(fleet, ident, targets)
+    made = _create(fleet, ident, targets)
+    host = {t.id: h for t, h in zip(made, targets)}
     end = time.monotonic() + START_DEADLINE_S
     with fleet.client() as c:
-        while (x := c.get_transfer(second.id)).bytes_done == 0:
-            assert time.monotonic() < end, f"the relayed transfer never started: {x}"
+        # Which one reads the origin is whichever agent claims first; the other reads it.
+        while True:
+            recs = [c.get_transfer(t.id) for t in made]
+            down = [x for x in recs
+                    if x.bytes_done and x.relay_path and x.relay_path[0].startswith("t:")]
+            if down:
+                break
+            assert time.monotonic() < end, "no transfer started reading its peer: " + str(
+                [(x.id, x.state, x.relay_path, x.bytes_done) for x in recs])
             time.sleep(0.05)
-        assert x.relay_path[0] == f"t:{first.id}"  # it reads its peer, not the origin
+        second = down[0]
+        (first,) = [t for t in made if t.id != second.id]
+        assert second.relay_path[0] == f"t:{first.id}"  # it reads its peer, not the origin
         c.stop_transfer(second.id)
     done = _wait(fleet, [first.id, second.id])
     assert done[second.id].state == "STOPPED"
     assert done[second.id].bytes_done < _nbytes(checkpoint)
-    assert not (tmp_path / targets[1].name / second.id).exists()  # nothing half-written
+    assert not (tmp_path / host[second.id].name / second.id).exists()  # nothing half-written
     assert done[first.id].state == "SUCCEEDED"  # its upstream is not disturbed
-    _assert_same(tmp_path / targets[0].name / first.id, checkpoint)
+    _assert_same(tmp_path / host[first.id].name / first.id, checkpoint)
