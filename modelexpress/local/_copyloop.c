@@ -166,72 +166,59 @@ work(void *arg)
     }
 }
 
+/* The buffer of one argument of run(): a whole number of `unit`-byte items (`*count`
+ * of them where *count >= 0; otherwise how many there are goes back in *count), on an
+ * 8-byte boundary where `aligned` (int64 words). */
 static int
-int64_view(PyObject *obj, int writable, Py_buffer *view, const char *what, Py_ssize_t words)
+take(PyObject *obj, const char *what, int writable, Py_ssize_t unit, int aligned,
+     Py_ssize_t *count, Py_buffer *view)
 {
     if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
         return -1;
-    if (view->len != words * 8 || (words > 0 && (uintptr_t)view->buf % 8 != 0)) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd aligned int64 words",
-                     what, view->len, words);
+    if (view->len % unit != 0 || (*count >= 0 && view->len != *count * unit)
+        || (aligned && view->len > 0 && (uintptr_t)view->buf % 8 != 0)) {
+        if (*count >= 0)
+            PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd items of %zd bytes%s",
+                         what, view->len, *count, unit, aligned ? ", 8-byte aligned" : "");
+        else
+            PyErr_Format(PyExc_ValueError, "%s: %zd bytes, not whole %zd-byte items%s", what,
+                         view->len, unit, aligned ? " 8-byte aligned" : "");
         PyBuffer_Release(view);
         return -1;
     }
+    *count = view->len / unit;
     return 0;
 }
 
 static PyObject *
 run(PyObject *self, PyObject *args)
 {
-    PyObject *o_pieces, *o_streams, *o_left, *o_done, *o_err, *o_digests, *o_hashed;
+    PyObject *o[7];
     int threads;
     unsigned long long xxh3_addr;
-    if (!PyArg_ParseTuple(args, "OOOOOOOiK:run", &o_pieces, &o_streams, &o_left, &o_done,
-                          &o_err, &o_digests, &o_hashed, &threads, &xxh3_addr))
+    if (!PyArg_ParseTuple(args, "OOOOOOOiK:run", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &o[6], &threads, &xxh3_addr))
         return NULL;
+    /* In run()'s order: pieces, streams, left, done, err, digests, hashed. */
+    static const char *names[7] = {"pieces", "streams", "left", "done", "err", "digests",
+                                   "hashed"};
+    static const Py_ssize_t units[7] = {8 * PIECE_WORDS, 8 * STREAM_WORDS, 8, 8, 8, 16, 1};
     Py_buffer v[7];
     int held = 0;
     PyObject *result = NULL;
-    Py_ssize_t np, ns;
+    Py_ssize_t np = -1, ns = -1;
 
-    if (PyObject_GetBuffer(o_pieces, &v[0], PyBUF_SIMPLE) < 0)
-        return NULL;
-    held = 1;
-    if (v[0].len % (PIECE_WORDS * 8) != 0) {
-        PyErr_SetString(PyExc_ValueError, "pieces: not a whole number of 6-word pieces");
-        goto out;
-    }
-    np = v[0].len / (PIECE_WORDS * 8);
-    if (PyObject_GetBuffer(o_streams, &v[1], PyBUF_SIMPLE) < 0)
-        goto out;
-    held = 2;
-    if (v[1].len % (STREAM_WORDS * 8) != 0) {
-        PyErr_SetString(PyExc_ValueError, "streams: not a whole number of 2-word streams");
-        goto out;
-    }
-    ns = v[1].len / (STREAM_WORDS * 8);
-    if (int64_view(o_left, 1, &v[2], "left", ns) < 0)
-        goto out;
-    held = 3;
-    if (int64_view(o_done, 1, &v[3], "done", np) < 0)
-        goto out;
-    held = 4;
-    if (int64_view(o_err, 1, &v[4], "err", np) < 0)
-        goto out;
-    held = 5;
-    if (PyObject_GetBuffer(o_digests, &v[5], PyBUF_WRITABLE) < 0)
-        goto out;
-    held = 6;
-    if (PyObject_GetBuffer(o_hashed, &v[6], PyBUF_WRITABLE) < 0)
-        goto out;
-    held = 7;
-    if (v[5].len != 16 * ns || v[6].len != ns) {
-        PyErr_SetString(PyExc_ValueError, "digests / hashed: not 16 / 1 bytes per stream");
-        goto out;
-    }
-    if ((np > 0 && (uintptr_t)v[0].buf % 8) || (ns > 0 && (uintptr_t)v[1].buf % 8)) {
-        PyErr_SetString(PyExc_ValueError, "pieces / streams: not 8-byte aligned");
-        goto out;
+    for (int i = 0; i < 7; i++) {
+        /* pieces and streams say how many; done and err hold one word per piece, the
+         * rest one item per stream. */
+        Py_ssize_t count = i < 2 ? -1 : (i == 3 || i == 4) ? np : ns;
+        if (take(o[i], names[i], i >= 2, units[i], i < 5, &count, &v[i]) < 0)
+            goto out;
+        held = i + 1;
+        if (i == 0)
+            np = count;
+        else if (i == 1)
+            ns = count;
     }
     const int64_t *pieces = v[0].buf;
     for (Py_ssize_t k = 0; k < np; k++) {

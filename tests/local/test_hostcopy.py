@@ -324,6 +324,49 @@ def test_the_c_loop_digest_is_the_xxhash_packages():
         assert got.high64.to_bytes(8, "big") + got.low64.to_bytes(8, "big") == want
 
 
+def test_the_c_loop_refuses_buffers_of_the_wrong_shape_naming_the_argument():
+    """``_copyloop.run`` checks every buffer before it reads anything: a piece list
+    that is not whole 6-word pieces, a result array sized for another number of
+    pieces or streams, a stream index out of range each raise ValueError naming it."""
+    import array
+    import ctypes
+
+    from modelexpress.local import _copyloop
+    src = bytearray(b"abcdefgh")
+    dst = bytearray(8)
+
+    def run(pieces, streams=(), left=None, done=None, err=None, digests=None, hashed=None):  # type: ignore[no-untyped-def]
+        np_, ns = len(pieces) // 6, len(streams) // 2
+        q = lambda n: array.array("q", [0] * n)  # noqa: E731
+        _copyloop.run(array.array("q", pieces), array.array("q", streams),
+                      q(ns) if left is None else left, q(np_) if done is None else done,
+                      q(np_) if err is None else err,
+                      bytearray(16 * ns) if digests is None else digests,
+                      bytearray(ns) if hashed is None else hashed, 1, 0)
+
+    fd = os.memfd_create("copyloop-args")
+    try:
+        os.write(fd, src)
+        addr = ctypes.addressof((ctypes.c_char * 8).from_buffer(dst))
+        ok = [fd, 0, addr, 8, 0, -1]
+        run(ok)
+        assert dst == src  # the well-formed call reads
+        with pytest.raises(ValueError, match="pieces: 40 bytes, not whole 48-byte items"):
+            run(ok[:5])
+        with pytest.raises(ValueError, match="done: 16 bytes, expected 1 items of 8 bytes"):
+            run(ok, done=array.array("q", [0, 0]))
+        with pytest.raises(ValueError, match="digests: 0 bytes, expected 1 items of 16"):
+            run(ok[:5] + [0], streams=[addr, 8], digests=bytearray(0))
+        with pytest.raises(ValueError, match="piece 0: stream 1 of 1"):
+            run(ok[:5] + [1], streams=[addr, 8])
+        with pytest.raises(ValueError, match="no xxh3 function"):
+            run(ok[:5] + [0], streams=[addr, 8])
+        with pytest.raises(BufferError):  # a read-only result buffer
+            run(ok, err=bytes(8))
+    finally:
+        os.close(fd)
+
+
 def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
     """A process that forks after a parallel copy (an engine forking its workers): the
     parent's copy threads do not exist in the child, which starts its own."""
