@@ -85,9 +85,10 @@ class LocalPullResult:
         page_cache_bytes: bytes read from the source's checkpoint file's page cache
             (the rest of the host bytes from its memfds; :mod:`.origin`).
         page_cache_misses: reads of that file the page cache did not serve in full
-            (pages evicted since the source's load): their rest came from the memfds,
-            never from waiting on the disk. Each miss also starts the kernel's readahead
-            of those pages, so later pulls (and later reads of this one) may hit again.
+            (pages evicted since the source's load). Nothing waits on the disk: the rest
+            is read again without waiting, from the page cache where the kernel's
+            readahead (which the miss itself starts) has brought it back by then, else
+            from the memfds. Later pulls may then hit again.
     """
 
     transport: str
@@ -486,7 +487,7 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
     # ORDER: the parenthesis first, as bench/vllm_engine.py's _LOCAL_READ_RE reads it.
     log.info("local pull from %s: %d bytes, %d tensors, %d copies in %.3f s (connect+map "
              "%.3f s, copy %.3f s at %.1f GB/s, digests %.3f s); %d bytes from the page cache "
-             "of the source's checkpoint file (%d reads found pages evicted: the memfds instead)",
+             "of the source's checkpoint file (%d reads found pages evicted)",
              session.peer, total, len(pairs), n_copies, seconds,
              phases.get("connect+map", 0.0), phases.get("copy", 0.0), gbps,
              phases.get("verify", 0.0), page_cache_bytes, page_cache_misses)
