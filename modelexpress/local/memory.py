@@ -287,7 +287,8 @@ class HostMapping(ClosedOnCollect):
         # Reads of a file segment the page cache did not serve in full (evicted pages).
         # Such a read also starts the kernel's readahead of what it missed (measured on
         # Linux 6.18: RWF_NOWAIT returns EAGAIN and queues the disk read), so a later
-        # read of those bytes may hit: a miss says where the memfds served, not how much.
+        # read of those bytes may hit: a miss says the page cache had lost pages, not how
+        # many bytes the memfds then served.
         self.file_misses = 0
         self._count = threading.Lock()
         pending = list(fds) + self._ext_fds
