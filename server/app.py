@@ -86,6 +86,10 @@ MAX_POLL_WAIT_S = 60.0
 # Long-poll re-check period when nothing woke us: transfers created on ANOTHER
 # replica (shared Redis) do not reach our in-process event, so we also re-read.
 _POLL_RECHECK_S = 1.0
+# The event-loop watchdog: it sleeps _WATCH_S at a time and warns when it woke more
+# than _LATE_WARN_S late, i.e. when this replica answered nothing for that long.
+_WATCH_S = 1.0
+_LATE_WARN_S = 2.0
 _PUBLIC_PATHS = frozenset({"/v1/health"})
 _ENTITY = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,191}$"
 _WORKER = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$"
@@ -257,18 +261,34 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
             except Exception:  # noqa: BLE001 - keep sweeping; a bug here must not stop GC
                 log.exception("sweep failed")
 
+    async def watchdog() -> None:
+        # A stalled replica looks, to its clients, like a lost reply (their read times
+        # out); this line says on the server's side when and for how long it happened.
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(_WATCH_S)
+            late = time.monotonic() - start - _WATCH_S
+            if late > _LATE_WARN_S:
+                log.warning("this replica's event loop woke %.1f s late and answered "
+                            "nothing meanwhile (a store write in a heartbeat or progress "
+                            "route that stalled, or a host that gave this process no CPU)",
+                            late)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         wakeup.bind(asyncio.get_running_loop())
-        task = asyncio.create_task(sweeper(), name="mx-sweeper")
+        tasks = [asyncio.create_task(sweeper(), name="mx-sweeper"),
+                 asyncio.create_task(watchdog(), name="mx-watchdog")]
         log.info("control plane up: store %s, auth %s", the_store.url,
                  "on" if token else "off")
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if owned:
                 the_store.close()
 

@@ -48,3 +48,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if require and marker != "gpu":
             pytest.fail(f"MX_REQUIRE_DEPS=1 but {reason}", pytrace=False)
         pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """Keep each phase's report on the item (``item.rep_call``), so that a fixture's
+    teardown can tell a failed test and print the logs of the processes it ran."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)

@@ -17,6 +17,7 @@ from mx_server_procs import ServerProc  # noqa: E402
 from modelexpress._subproc import ModuleProcess, clean_env  # noqa: E402
 from modelexpress.checkpoint import real_model_checkpoint  # noqa: E402
 from modelexpress.client import MxClient  # noqa: E402
+from modelexpress.errors import ServerUnavailableError  # noqa: E402
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 _START_DEADLINE_S = 120.0  # torch + NIXL imports on a loaded 2-core machine
@@ -77,6 +78,18 @@ class Cluster:
             time.sleep(0.1)
         raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
 
+    def claim(self, client: MxClient, agent_id: str, deadline_s: float = 60.0) -> Any:
+        """Poll until ``agent_id`` claims something, as an agent's own loop does: a poll
+        whose reply never came (``ServerUnavailableError``: the server stalled past the
+        client's timeout) is repeated, and what it claimed is handed out again after
+        ``CLAIM_REDELIVERY_S``."""
+        def poll() -> Any:
+            try:
+                return client.poll_assignments(agent_id, wait_s=1.0)
+            except ServerUnavailableError:
+                return []
+        return self.wait_for(poll, f"the assignment of {agent_id}", deadline_s)
+
     def close(self) -> None:
         for proc in self.procs:
             proc.stop()
@@ -84,7 +97,8 @@ class Cluster:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def _fresh_cluster(tmp_path: pathlib.Path, stale_after_s: float) -> Iterator[Cluster]:
+def _fresh_cluster(request: pytest.FixtureRequest, tmp_path: pathlib.Path,
+                   stale_after_s: float) -> Iterator[Cluster]:
     server = ServerProc(f"sqlite:///{tmp_path / 'mx.db'}", tmp_path,
                         env={"MX_STALE_AFTER_S": str(stale_after_s)}).start()
     c = Cluster(server, tmp_path)
@@ -93,16 +107,24 @@ def _fresh_cluster(tmp_path: pathlib.Path, stale_after_s: float) -> Iterator[Clu
     finally:
         c.close()
         server.stop()
+        report = getattr(request.node, "rep_call", None)
+        if report is not None and report.failed:
+            # shown under the failure ("Captured stdout teardown"): what the server and
+            # the CLI processes logged, which a CI run keeps nowhere else
+            for proc in c.procs:
+                print(f"--- {proc.log_path.name} (last 4000 characters) ---\n{proc.tail()}")
+            print(f"--- {server.log_path.name} (last 4000 characters) ---\n{server.log()}")
 
 
 @pytest.fixture
-def cluster(tmp_path: pathlib.Path) -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Cluster]:
     """A fresh SQLite server (sources go STALE after 3 s without heartbeats)."""
-    yield from _fresh_cluster(tmp_path, 3)
+    yield from _fresh_cluster(request, tmp_path, 3)
 
 
 @pytest.fixture
-def patient_cluster(tmp_path: pathlib.Path) -> Iterator[Cluster]:
+def patient_cluster(request: pytest.FixtureRequest, tmp_path: pathlib.Path
+                    ) -> Iterator[Cluster]:
     """A fresh SQLite server that times sources out only after 600 s: a source found
     STALE sooner was withdrawn (by itself or its guardian), not timed out."""
-    yield from _fresh_cluster(tmp_path, 600)
+    yield from _fresh_cluster(request, tmp_path, 600)

@@ -22,6 +22,7 @@ from modelexpress.p2p.agent import Agent, AgentOptions
 from modelexpress.p2p.relay import relay_source_id, relay_worker_id
 from modelexpress.server.service import source_id_for
 from modelexpress.settings import MxSettings
+from modelexpress.wire import TransferInfo
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -46,32 +47,44 @@ def test_three_agents_claimed_together_form_a_chain_and_every_byte_is_the_origin
             a.register()
         ident = ModelIdentity(model=MODEL, dtype="float32")
         started = [cluster.client.start_transfer(ident, a.agent_id) for a in agents]
-        states: dict[str, str] = {}
-        paths: dict[str, tuple[str, ...]] = {}
+        stop = threading.Event()
+        died: list[BaseException] = []
 
         def run(agent: Agent) -> None:
-            claimed = cluster.wait_for(
-                lambda: agent.client.poll_assignments(agent.agent_id, wait_s=1.0),
-                f"the assignment of {agent.agent_id}")
-            (t,) = claimed
-            paths[agent.agent_id] = t.relay_path
-            states[agent.agent_id] = agent.execute(t)
+            # the agent's own loop: a poll whose reply is lost (a stalled server) is
+            # retried, and the claim it made is handed out again (CLAIM_REDELIVERY_S)
+            try:
+                agent.run(stop, max_transfers=1)
+            except BaseException as exc:
+                died.append(exc)
+                raise
+
+        def claimed(t: TransferInfo) -> bool:
+            assert not died, f"an agent's thread died: {died!r}"
+            return cluster.client.get_transfer(t.id).claimed
 
         # claimed one after the other (as agents polling together would), run together
         threads = []
-        for a in agents:
-            th = threading.Thread(target=run, args=(a,))
-            th.start()
-            threads.append(th)
-            cluster.wait_for(lambda: a.agent_id in paths, "the claim")
-        for th in threads:
-            th.join(240)
-        assert not any(th.is_alive() for th in threads)
-        assert states == {a.agent_id: "SUCCEEDED" for a in agents}, states
+        try:
+            for a, t in zip(agents, started):
+                th = threading.Thread(target=run, args=(a,))
+                th.start()
+                threads.append(th)
+                cluster.wait_for(lambda: claimed(t), f"the claim of {a.agent_id}")
+        except BaseException:
+            stop.set()  # the agents leave their loops (an aborted transfer reads FAILED)
+            raise
+        finally:
+            for th in threads:
+                th.join(240)
+            stop.set()
+        assert not any(th.is_alive() for th in threads) and not died, died
+        recs = [cluster.client.get_transfer(t.id) for t in started]
+        assert [r.state for r in recs] == ["SUCCEEDED"] * 3, [(r.state, r.error) for r in recs]
         origin = f"s:{published['source_id']}"
-        assert paths[agents[0].agent_id] == (origin,)
-        assert paths[agents[1].agent_id] == (f"t:{started[0].id}", origin)
-        assert paths[agents[2].agent_id][0] == f"t:{started[1].id}"
+        assert recs[0].relay_path == (origin,)
+        assert recs[1].relay_path == (f"t:{started[0].id}", origin)
+        assert recs[2].relay_path[0] == f"t:{started[1].id}"
         ref = load_checkpoint(real_model_checkpoint())
         for i in range(3):
             got = load_checkpoint(tmp_path / f"out{i}" / started[i].id)
@@ -109,8 +122,7 @@ def test_a_pull_started_while_an_agent_relays_reads_through_it(
         agent.register()
         ident = ModelIdentity(model=MODEL, dtype="float32")
         up = cluster.client.start_transfer(ident, agent.agent_id)
-        (claimed,) = cluster.wait_for(
-            lambda: agent.client.poll_assignments(agent.agent_id, wait_s=1.0), "the claim")
+        (claimed,) = cluster.claim(agent.client, agent.agent_id)
         states: dict[str, str] = {}
         th = threading.Thread(target=lambda: states.update(up=agent.execute(claimed)))
         th.start()

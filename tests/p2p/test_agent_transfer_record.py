@@ -42,9 +42,7 @@ def test_an_agent_transfer_fetches_its_source_once_and_records_the_outcome(
         for _ in range(2):  # the second reads through the same NIXL agent
             started = client.start_transfer(ModelIdentity(model=MODEL, dtype="float32"),
                                             agent.agent_id)
-            claimed = cluster.wait_for(
-                lambda: client.poll_assignments(agent.agent_id, wait_s=1.0),
-                "the transfer's assignment")
+            claimed = cluster.claim(client, agent.agent_id)
             assert [t.id for t in claimed] == [started.id]
             assert agent.execute(claimed[0]) == "SUCCEEDED"
             ids.append(started.id)

@@ -167,9 +167,7 @@ def test_an_agents_fan_out_source_serves_same_host_peers_locally(
     with Agent(cluster.client, "fan-out-agent", options) as agent:
         agent.register()
         started = cluster.client.start_transfer(IDENTITY, agent.agent_id)
-        claimed = cluster.wait_for(
-            lambda: cluster.client.poll_assignments(agent.agent_id, wait_s=1.0),
-            "the transfer's assignment")
+        claimed = cluster.claim(cluster.client, agent.agent_id)
         assert agent.execute(claimed[0]) == "SUCCEEDED"
         assert cluster.client.get_transfer(started.id).outcome.transport == "local"
         (served,) = agent.served
