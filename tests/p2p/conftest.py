@@ -21,6 +21,11 @@ from modelexpress.errors import ServerUnavailableError  # noqa: E402
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 _START_DEADLINE_S = 120.0  # torch + NIXL imports on a loaded 2-core machine
+# The tests' clients wait this long for a reply: at a load average of 15 on the 2-core
+# CI machine (vLLM engines compiling beside these tests) a process, the server among
+# them, got no CPU for 6 s (its event-loop watchdog's warnings), and a poll or a
+# start_transfer that times out is not repeated (it may have reached the server).
+CLIENT_TIMEOUT_S = 30.0
 
 
 class CliProc(ModuleProcess):
@@ -30,7 +35,7 @@ class CliProc(ModuleProcess):
                  env: dict[str, str] | None = None) -> None:
         super().__init__(["modelexpress", *args], log_path, clean_env(
             MX_SERVER_URL=server_url, MX_HEARTBEAT_INTERVAL_S="0.5", MX_LOG_LEVEL="INFO",
-            **(env or {})))
+            MX_CLIENT_TIMEOUT_S=str(CLIENT_TIMEOUT_S), **(env or {})))
 
     def json_line(self, deadline_s: float = _START_DEADLINE_S) -> dict[str, Any]:
         return super().json_line(deadline_s)
@@ -43,7 +48,7 @@ class Cluster:
         self.server = server
         self.workdir = workdir
         self.procs: list[CliProc] = []
-        self.client = MxClient(server.url, token=server.token, timeout_s=10.0)
+        self.client = MxClient(server.url, token=server.token, timeout_s=CLIENT_TIMEOUT_S)
         self._n = 0
         # The sources' local-transport sockets: a short path (a Unix socket's is at most
         # 107 bytes; pytest's tmp_path can be longer), removed with the cluster.

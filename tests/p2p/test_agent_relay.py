@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from conftest import MODEL, Cluster
+from conftest import CLIENT_TIMEOUT_S, MODEL, Cluster
 from modelexpress.checkpoint import load_checkpoint, real_model_checkpoint
 from modelexpress.client import MxClient
 from modelexpress.identity import ModelIdentity
@@ -36,8 +36,8 @@ def test_three_agents_claimed_together_form_a_chain_and_every_byte_is_the_origin
     cluster = patient_cluster
     _, published = cluster.source()
     settings = MxSettings(ipc_dir="off")
-    clients = [MxClient(cluster.server.url, token=cluster.server.token, timeout_s=10.0)
-               for _ in range(3)]
+    clients = [MxClient(cluster.server.url, token=cluster.server.token,
+                        timeout_s=CLIENT_TIMEOUT_S) for _ in range(3)]
     agents = [Agent(c, f"relay-agent-{i}", AgentOptions.from_settings(
         settings, out_dir=tmp_path / f"out{i}", relay_chunk_bytes=2 << 20))
         for i, c in enumerate(clients)]
@@ -114,7 +114,8 @@ def test_a_pull_started_while_an_agent_relays_reads_through_it(
     cluster = patient_cluster
     _, published = cluster.source()
     settings = MxSettings(ipc_dir="off", transfer_max_gbps=0.03)
-    client = MxClient(cluster.server.url, token=cluster.server.token, timeout_s=10.0)
+    client = MxClient(cluster.server.url, token=cluster.server.token,
+                      timeout_s=CLIENT_TIMEOUT_S)
     agent = Agent(client, "relay-agent-slow", AgentOptions.from_settings(
         settings, out_dir=tmp_path / "out", relay_chunk_bytes=2 << 20))
     try:

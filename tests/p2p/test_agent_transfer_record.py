@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import MODEL, Cluster
+from conftest import CLIENT_TIMEOUT_S, MODEL, Cluster
 from modelexpress.client import MxClient
 from modelexpress.identity import ModelIdentity
 from modelexpress.p2p.agent import Agent, AgentOptions
@@ -33,7 +33,8 @@ class _CountingClient(MxClient):
 def test_an_agent_transfer_fetches_its_source_once_and_records_the_outcome(
         cluster: Cluster) -> None:
     _, published = cluster.source()
-    client = _CountingClient(cluster.server.url, token=cluster.server.token, timeout_s=10.0)
+    client = _CountingClient(cluster.server.url, token=cluster.server.token,
+                             timeout_s=CLIENT_TIMEOUT_S)
     options = AgentOptions.from_settings(MxSettings(), serve_after_pull=False)
     with client, Agent(client, "in-process-agent", options) as agent:
         agent.warm_up()  # as run() does: its NIXL agent then reads every transfer

@@ -27,7 +27,8 @@ def test_a_stalled_server_logs_how_long_it_answered_nothing(tmp_path: pathlib.Pa
         deadline = time.monotonic() + 30
         found = None
         while found is None and time.monotonic() < deadline:
-            found = re.search(r"event loop woke ([0-9.]+) s late and answered nothing", server.log())
+            found = re.search(r"event loop woke ([0-9.]+) s late and answered nothing",
+                              server.log())
             time.sleep(0.1)
         assert found is not None, server.log()
         # stopped 3.5 s in the middle of a 1 s sleep: it woke 2.5 to 3.5 s late
