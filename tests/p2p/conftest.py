@@ -33,9 +33,11 @@ class CliProc(ModuleProcess):
 
     def __init__(self, args: list[str], log_path: pathlib.Path, server_url: str,
                  env: dict[str, str] | None = None) -> None:
-        super().__init__(["modelexpress", *args], log_path, clean_env(
-            MX_SERVER_URL=server_url, MX_HEARTBEAT_INTERVAL_S="0.5", MX_LOG_LEVEL="INFO",
-            MX_CLIENT_TIMEOUT_S=str(CLIENT_TIMEOUT_S), **(env or {})))
+        defaults = {"MX_SERVER_URL": server_url, "MX_HEARTBEAT_INTERVAL_S": "0.5",
+                    "MX_LOG_LEVEL": "INFO", "MX_CLIENT_TIMEOUT_S": str(CLIENT_TIMEOUT_S)}
+        # a test's own env wins over these defaults
+        super().__init__(["modelexpress", *args], log_path,
+                         clean_env(**{**defaults, **(env or {})}))
 
     def json_line(self, deadline_s: float = _START_DEADLINE_S) -> dict[str, Any]:
         return super().json_line(deadline_s)
