@@ -42,7 +42,10 @@ page-cache load, a verified pull into ``allocate_like``'s memory, each timed alo
 a new process, as a user's command or a new engine meets them: nothing in the heap
 to reuse). ``*_pyloop`` rows are the same pulls with the copy's pieces run in Python
 threads (``hostcopy.NATIVE`` off: the loop before the C one, and where it is not
-built); ``c_loop_vs_python_loop`` compares them. Ratios are per round (same moment),
+built); ``c_loop_vs_python_loop`` compares them. ``process_pull_hugeon`` /
+``_hugeoff`` are the fresh-process pull with ``MX_LOCAL_HUGE_PAGES`` forced on / off
+(``process_pull`` is the default, ``auto``: ``huge_pages_default_used`` says what it
+chose; ``huge_on_vs_off`` compares the two). Ratios are per round (same moment),
 medians reported, and from each
 measurement's best round (``best_ratios``: what the machine does when nothing else
 runs, on a shared CI machine the steadier figure). Cases ``1gib``
@@ -429,16 +432,19 @@ def host_target(args: argparse.Namespace) -> None:
     from modelexpress.p2p.target import allocate_like
     from modelexpress.transfer.manifest import Manifest
     hostcopy.NATIVE = what != "pull-pyloop"  # the C piece loop, or the Python one
+    # MX_LOCAL_HUGE_PAGES of the pull: the default (auto), or forced on / off
+    huge = {"pull-hugeon": "on", "pull-hugeoff": "off"}.get(what, "auto")
     info = json.load(open(args.info))
     manifest = Manifest.from_json(info["manifest"])
     endpoint = LocalEndpoint.from_json(info["endpoint"])
     t0 = time.perf_counter()
     dest = allocate_like(manifest)
     t1 = time.perf_counter()
-    r = pull(endpoint, manifest, dest, verify=True)
+    r = pull(endpoint, manifest, dest, verify=True, huge_pages=huge)
     assert r.verified == len(manifest.tensors), r
     print(json.dumps({"seconds": time.perf_counter() - t0, "allocate": t1 - t0,
-                      "phases": r.phases, "page_cache_bytes": r.page_cache_bytes}))
+                      "phases": r.phases, "page_cache_bytes": r.page_cache_bytes,
+                      "huge_pages": r.huge_pages}))
 
 
 def _host_target(what: str, info_path: str, ckpt: str) -> dict[str, Any]:
@@ -485,11 +491,12 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
                 "pull_fresh", "pull_warm", "pull_fresh_memfd", "pull_warm_memfd", "disk_warm",
                 "mapped_torch", "pread_1", "pread_n", "process_disk", "process_pull",
                 "process_pull_memfd", "pull_fresh_pyloop", "pull_warm_pyloop",
-                "process_pull_pyloop")
+                "process_pull_pyloop", "process_pull_hugeon", "process_pull_hugeoff")
         times: dict[str, list[float]] = {k: [] for k in keys}
         phases_fresh: list[dict[str, float]] = []
         phases_warm: list[dict[str, float]] = []
         phases_process: list[dict[str, float]] = []
+        huge_used: list[bool] = []  # whether each default fresh-process pull used huge pages
         page_cache: list[float] = []  # fraction of the pull's bytes read from the page cache
         for _ in range(rounds):
             _settle()
@@ -556,12 +563,14 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
         # nothing in its heap to reuse, so both pay the new memory's page faults.
         for _ in range(fresh_rounds):
             for what, where in (("disk", info_path), ("pull", info_path),
-                                ("pull_memfd", info_memfd), ("pull_pyloop", info_path)):
-                got = _host_target({"pull_pyloop": "pull-pyloop"}.get(what, what.split("_")[0]),
+                                ("pull_memfd", info_memfd), ("pull_pyloop", info_path),
+                                ("pull_hugeon", info_path), ("pull_hugeoff", info_path)):
+                got = _host_target(what.replace("_", "-") if what != "pull_memfd" else "pull",
                                    where, ckpt)
                 times[f"process_{what}"].append(got["seconds"])
                 if what == "pull":
                     phases_process.append({"allocate": got["allocate"], **got["phases"]})
+                    huge_used.append(got["huge_pages"])
 
         def ratio(num: str, den: str) -> float:  # den time / num time, per round: GB/s ratio
             return round(_median([b / a for a, b in zip(times[num], times[den])]), 3)
@@ -584,6 +593,13 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             "pull_warm_memfd_vs_memcpy_warm": ratio("pull_warm_memfd", "memcpy_warm"),
             "pull_fresh_memfd_vs_memcpy_fresh": ratio("pull_fresh_memfd", "memcpy_fresh"),
             "process_pull_memfd_vs_process_disk": ratio("process_pull_memfd", "process_disk"),
+            # MX_LOCAL_HUGE_PAGES: what the default chose, and each forced mode's pull
+            # against the load (and huge against small pages: >1, huge pages faster)
+            "huge_pages_default_used": huge_used,
+            "process_pull_hugeon_vs_process_disk": ratio("process_pull_hugeon", "process_disk"),
+            "process_pull_hugeoff_vs_process_disk": ratio("process_pull_hugeoff",
+                                                          "process_disk"),
+            "huge_on_vs_off": ratio("process_pull_hugeon", "process_pull_hugeoff"),
             # The C piece loop against the Python one (>1: the C loop is faster).
             "c_loop_vs_python_loop": {
                 "pull_fresh": ratio("pull_fresh", "pull_fresh_pyloop"),
@@ -637,7 +653,11 @@ def host_main(args: argparse.Namespace) -> None:
                   f"{r['pull_fresh_vs_disk_warm']}, fresh process: disk load "
                   f"{m['process_disk']} s / pull {m['process_pull']} s "
                   f"{r['process_pull_vs_process_disk']} (memfd only: "
-                  f"{m['process_pull_memfd']} s {r['process_pull_memfd_vs_process_disk']}) | "
+                  f"{m['process_pull_memfd']} s {r['process_pull_memfd_vs_process_disk']}; "
+                  f"huge pages on {m['process_pull_hugeon']} s "
+                  f"{r['process_pull_hugeon_vs_process_disk']}, off {m['process_pull_hugeoff']} s "
+                  f"{r['process_pull_hugeoff_vs_process_disk']}, default used "
+                  f"{r['huge_pages_default_used']}) | "
                   f"page cache share {r['page_cache_fraction_median']} | "
                   f"fresh-process pull phases {r['phases_process_pull_median']} | "
                   f"C loop / Python loop {r['c_loop_vs_python_loop']} | "

@@ -168,6 +168,13 @@ class MxSettings(BaseSettings):
         "Directory shared by every process of a node (a hostPath in Kubernetes) where sources "
         "put the Unix sockets of the local transport; `off` disables that transport. At most "
         "82 bytes (a socket path is limited to 107), checked at start-up.")
+    local_huge_pages: Literal["auto", "on", "off"] = _field(
+        "auto", "p2p",
+        "Local transport: fault a host pull's new destination memory in as transparent "
+        "huge pages (chunks of 256 MiB or more, where the kernel's THP mode is madvise). "
+        "auto: on bare metal and on machines with an NVIDIA GPU (memory backed up front), "
+        "off on other VMs, where a never-used 2 MiB page can cost 10x a small one's faults; "
+        "on: always; off: never.")
     vllm_probe: bool = _field(
         True, "p2p",
         "vLLM loader: a source publishes its model's output on a fixed probe input; a "

@@ -145,6 +145,12 @@ PY
       python3 bench/host_copy.py 2>&1 | tee "$OUT/bench_host_copy_gpu_host.log" | tail -12
       ;;
     local-host)  # bench/local.py --host on this host's 16 cores (issue #24: the CI VM has 2)
+      # what MX_LOCAL_HUGE_PAGES=auto reads (modelexpress/local/hugepages.py), and the
+      # kernel's huge-page counters
+      { python3 -c 'from modelexpress.local import hugepages as h; print("thp", h.thp_mode(), "backed_up_front", h.backed_up_front())'
+        grep -c -w hypervisor /proc/cpuinfo; ls -l /dev/nvidia0
+        cat /sys/kernel/mm/transparent_hugepage/defrag; grep -i huge /proc/meminfo
+      } > "$OUT/thp.log" 2>&1
       python3 bench/local.py --host ${LOCAL_HOST_ARGS:---rounds 7 --fresh-rounds 5} 2>&1 |
         tee "$OUT/bench_local_host_gpu_host.log" | tail -6
       ;;

@@ -89,6 +89,8 @@ class LocalPullResult:
             is read again without waiting, from the page cache where the kernel's
             readahead (which the miss itself starts) has brought it back by then, else
             from the memfds. Later pulls may then hit again.
+        huge_pages: whether new host destination memory was advised ``MADV_HUGEPAGE``
+            (the ``huge_pages`` argument of :func:`pull`; :mod:`.hugepages`).
     """
 
     transport: str
@@ -102,6 +104,7 @@ class LocalPullResult:
     phases: dict[str, float]
     page_cache_bytes: int = 0
     page_cache_misses: int = 0
+    huge_pages: bool = False
 
 
 class LocalSession(ClosedOnCollect):
@@ -365,8 +368,8 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
          verify: bool = True, stop: StopFlag | None = None, deadline_s: float = 600.0,
          progress: Callable[[int, int], None] | None = None,
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, connect_timeout_s: float = 10.0,
-         allow_partial: bool = False, inventory: "DeviceInventory | None" = None
-         ) -> LocalPullResult:
+         allow_partial: bool = False, inventory: "DeviceInventory | None" = None,
+         huge_pages: str = "auto") -> LocalPullResult:
     """Copy a same-host source's tensors into ``tensors`` over the local transport.
 
     Args:
@@ -381,6 +384,9 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
         connect_timeout_s: bound on connecting and the handshake.
         allow_partial: tensors on one side only are skipped instead of failing.
         inventory: this process's GPUs (see :class:`LocalSession`).
+        huge_pages: ``auto``, ``on`` or ``off``: whether new host destination memory
+            may be faulted in as transparent huge pages (``MX_LOCAL_HUGE_PAGES``;
+            :mod:`modelexpress.local.hugepages`).
 
     Returns:
         A :class:`LocalPullResult`.
@@ -391,11 +397,16 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
         TransferTimeoutError: ``deadline_s`` ran out.
         TransferCancelledError: ``stop`` was set.
         IntegrityError: a digest did not match (names the tensor).
-        ConfigError: destinations on several CUDA devices, or a bad chunk size.
+        ConfigError: destinations on several CUDA devices, a bad chunk size or
+            huge-pages mode.
     """
+    from modelexpress.local.hugepages import MODES, HugePages
     from modelexpress.transfer.planner import match
     if chunk_bytes <= 0:
         raise ConfigError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    if huge_pages not in MODES:
+        raise ConfigError(f"huge_pages must be one of {', '.join(MODES)}, got {huge_pages!r}")
+    huge = HugePages(huge_pages)
     t0 = time.monotonic()
     deadline = t0 + deadline_s
     pairs = match(manifest, tensors, allow_partial=allow_partial)
@@ -448,8 +459,8 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
                     ctx.callback(digests.close)
                 t_plan = time.monotonic()
                 phases["plan"] = phases.get("plan", 0.0) + t_plan - t_start
-                _run(session, chunks, total, stop, deadline, deadline_s, progress,
-                     stream_device, digests)
+                _Runner(session, total, progress, stream_device, digests, huge).run(
+                    chunks, stop, deadline, deadline_s)
                 t_copy = time.monotonic()
                 phases["copy"] = phases.get("copy", 0.0) + t_copy - t_plan
                 if host_map is not None:
@@ -487,14 +498,15 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
     # ORDER: the parenthesis first, as bench/vllm_engine.py's _LOCAL_READ_RE reads it.
     log.info("local pull from %s: %d bytes, %d tensors, %d copies in %.3f s (connect+map "
              "%.3f s, copy %.3f s at %.1f GB/s, digests %.3f s); %d bytes from the page cache "
-             "of the source's checkpoint file (%d reads found pages evicted)",
-             session.peer, total, len(pairs), n_copies, seconds,
+             "of the source's checkpoint file (%d reads found pages evicted); new memory in "
+             "%s pages", session.peer, total, len(pairs), n_copies, seconds,
              phases.get("connect+map", 0.0), phases.get("copy", 0.0), gbps,
-             phases.get("verify", 0.0), page_cache_bytes, page_cache_misses)
+             phases.get("verify", 0.0), page_cache_bytes, page_cache_misses,
+             "huge" if huge.used else "small")
     return LocalPullResult(transport=TRANSPORT, nbytes=total, tensors=len(pairs), copies=n_copies,
                            segments=kinds, seconds=seconds, gbps=gbps, verified=verified,
                            phases=phases, page_cache_bytes=page_cache_bytes,
-                           page_cache_misses=page_cache_misses)
+                           page_cache_misses=page_cache_misses, huge_pages=huge.used)
 
 
 _COPY_STREAMS = 4  # side streams device copies are spread over
@@ -504,10 +516,11 @@ class _Runner:
     """Runs the chunks: checks, enqueues, retires; ``done`` counts completed bytes."""
 
     def __init__(self, session: LocalSession, total: int, progress: Callable[[int, int], None] | None,
-                 device: int | None, digests: Any = None) -> None:
+                 device: int | None, digests: Any = None, huge_pages: Any = None) -> None:
         import torch
         self.session, self.total, self.progress = session, total, progress
         self.digests = digests  # hostcopy.DigestsAlongside, told what landed
+        self.huge_pages = huge_pages  # hugepages.HugePages of the pull, or None
         self.copier: Any = None  # hostcopy.HostCopier, made at the first host copy
         self.stream = torch.cuda.current_stream(device) if device is not None else None
         # Device copies go round-robin over a few side streams, so that one copy's launch
@@ -573,7 +586,7 @@ class _Runner:
         if host:
             if self.copier is None:
                 from modelexpress.local.hostcopy import HostCopier
-                self.copier = HostCopier(self.session.host_map)
+                self.copier = HostCopier(self.session.host_map, huge_pages=self.huge_pages)
             in_pass = self.digests if self.digests is not None and self.digests.hot else None
             self.copier.copy(host, in_pass)
             host_bytes = sum(h[3] for h in host)
@@ -593,13 +606,6 @@ class _Runner:
             ev.record(self.stream)
             self.in_flight.append((ev, dev_bytes))
             self.retire(_IN_FLIGHT - 1)
-
-
-def _run(session: LocalSession, chunks: Sequence[Sequence[_Copy]], total: int,
-         stop: StopFlag | None, deadline: float, deadline_s: float,
-         progress: Callable[[int, int], None] | None, device: int | None,
-         digests: Any = None) -> None:
-    _Runner(session, total, progress, device, digests).run(chunks, stop, deadline, deadline_s)
 
 
 def _digests_alongside(manifest: "Manifest", pairs: Sequence[Any],

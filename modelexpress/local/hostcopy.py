@@ -80,6 +80,7 @@ except ModuleNotFoundError as _exc:  # not built (no C compiler at install)
 if TYPE_CHECKING:
     import torch
 
+    from modelexpress.local.hugepages import HugePages
     from modelexpress.local.memory import HostMapping
 
 __all__ = ["DigestsAlongside", "DigestsInPass", "HostCopier", "copy_threads",
@@ -168,9 +169,9 @@ def _prefault(addr: int, nbytes: int) -> None:
     New memory costs a fault per page, more than the copy itself on the CI machine,
     and faults taken inside ``pread``'s copy cost more than this populate at best
     (bench/local.py --host; docs/benchmarks.md, "Local transport on host memory").
-    Huge pages (``MADV_HUGEPAGE`` first) were measured too and are not asked for:
-    on the CI machine (a VM) they were twice as fast at best and slower at the
-    median. On touched memory the populate would be a page-table walk for nothing,
+    Huge pages are the pull's choice (:mod:`.hugepages`), made before the copy: a
+    populate of a range advised ``MADV_HUGEPAGE`` faults it in as huge pages. On
+    touched memory the populate would be a page-table walk for nothing,
     hence the probe (``mincore`` of one page). No byte changes. Best effort: an
     error only means the read faults the pages in itself."""
     global _prefault_ok
@@ -219,13 +220,16 @@ class HostCopier:
         native: run the C piece loop (``_copyloop``); default :data:`NATIVE`. It is
             used where it can do the whole job (no digests, or xxh3 ones), else the
             same pieces run in Python threads.
+        huge_pages: the pull's :class:`~modelexpress.local.hugepages.HugePages`, told
+            each chunk's destinations before they are copied into (None: small pages).
     """
 
     def __init__(self, mapping: "HostMapping", threads: int | None = None,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, huge_pages: "HugePages | None" = None) -> None:
         self.mapping = mapping
         self.threads = threads or copy_threads()
         self.native = NATIVE if native is None else native
+        self.huge_pages = huge_pages
         if self.native and _copyloop is None:
             raise ValueError("the C piece loop (modelexpress.local._copyloop) is not built")
 
@@ -239,6 +243,8 @@ class HostCopier:
                 still writes into the destination when this returns or raises).
         """
         total = sum(c[3] for c in copies)
+        if self.huge_pages is not None:
+            self.huge_pages.advise(copies)
         native = self.native and (in_pass is None or (in_pass.xxh3 and _xxh3_address() != 0))
         # Fine pieces in the C loop; in Python only into new memory (judged by the
         # largest copy's destination): into touched memory a piece copies in well under

@@ -25,10 +25,13 @@ class LocalOptions:
             process of the node: a hostPath volume in Kubernetes).
         node_name: ``MX_NODE_NAME`` or "" (then the kernel boot id identifies the host).
         enabled: False turns the local transport off (``MX_IPC_DIR`` set to "off").
+        huge_pages: ``auto``, ``on`` or ``off``: a host pull's new destination memory in
+            transparent huge pages (``MX_LOCAL_HUGE_PAGES``; :mod:`.hugepages`).
     """
 
     ipc_dir: str = DEFAULT_IPC_DIR
     node_name: str = ""
+    huge_pages: str = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -41,6 +44,7 @@ class LocalOptions:
 
     @classmethod
     def from_settings(cls, settings: "MxSettings") -> LocalOptions:
-        """Read ``MX_IPC_DIR`` and ``MX_NODE_NAME`` (through MxSettings)."""
+        """Read ``MX_IPC_DIR``, ``MX_NODE_NAME`` and ``MX_LOCAL_HUGE_PAGES`` (through
+        MxSettings)."""
         return cls(ipc_dir=os.path.expanduser(settings.ipc_dir),
-                   node_name=settings.node_name or "")
+                   node_name=settings.node_name or "", huge_pages=settings.local_huge_pages)

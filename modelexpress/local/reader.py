@@ -66,11 +66,14 @@ class LocalReader:
         manifest: its manifest.
         chunk_bytes, verify: as :class:`~modelexpress.p2p.options.PullOptions`.
         connect_timeout_s: bound on connecting and the handshake.
+        huge_pages: as :func:`modelexpress.local.pull` (``MX_LOCAL_HUGE_PAGES``).
     """
 
     def __init__(self, endpoint: LocalEndpoint, manifest: "Manifest", *, chunk_bytes: int,
-                 verify: bool, connect_timeout_s: float = 10.0) -> None:
+                 verify: bool, connect_timeout_s: float = 10.0, huge_pages: str = "auto"
+                 ) -> None:
         self.endpoint = endpoint
+        self.huge_pages = huge_pages
         self.manifest = manifest
         self.chunk_bytes = chunk_bytes
         self.verify = verify
@@ -112,7 +115,8 @@ class LocalReader:
         try:
             res = pull(self.endpoint, self.manifest, dest, verify=self.verify, stop=stop,
                        deadline_s=deadline_s, progress=counted, chunk_bytes=self.chunk_bytes,
-                       connect_timeout_s=self.connect_timeout_s, allow_partial=allow_partial)
+                       connect_timeout_s=self.connect_timeout_s, allow_partial=allow_partial,
+                       huge_pages=self.huge_pages)
         except PeerError as exc:
             # The socket is gone or refuses connections: the source process exited.
             self.listening = not isinstance(exc.__cause__,
@@ -131,6 +135,7 @@ class LocalReader:
             connect_seconds=res.phases.get("connect+map", 0.0), expected_transport=TRANSPORT,
             transport_detail=(f"modelexpress.local over {self.endpoint.path}: segments "
                               f"{res.segments}, {res.copies} copies, "
+                              f"{'huge' if res.huge_pages else 'small'} pages, "
                               f"{time.perf_counter() - t0:.3f} s in all"))
 
 
@@ -154,6 +159,7 @@ def local_reader_factory(options: "LocalOptions", *, chunk_bytes: int, verify: b
             log.info("source %s is on this host but its socket %s is not visible here "
                      "(mount MX_IPC_DIR in both); reading over NIXL", ep.source_id, ep.path)
             return None
-        return LocalReader(ep, manifest, chunk_bytes=chunk_bytes, verify=verify)
+        return LocalReader(ep, manifest, chunk_bytes=chunk_bytes, verify=verify,
+                           huge_pages=options.huge_pages)
 
     return factory
