@@ -100,16 +100,21 @@ class HugePages:
         if mode not in MODES:
             raise ValueError(f"huge pages mode {mode!r}: use one of {', '.join(MODES)}")
         self.mode = mode
-        self.kernel_mode = thp_mode() if kernel_mode is None else kernel_mode
-        self.on = self.kernel_mode == "madvise" and (
-            mode == "on" or (mode == "auto" and backed_up_front()))
+        self._kernel_mode = kernel_mode
         self.used = False
+
+    @functools.cached_property
+    def on(self) -> bool:
+        # Read at the first chunk that asks (a small pull reads nothing).
+        kernel = thp_mode() if self._kernel_mode is None else self._kernel_mode
+        return kernel == "madvise" and (
+            self.mode == "on" or (self.mode == "auto" and backed_up_front()))
 
     def advise(self, copies: Sequence[tuple[int, int, int, int]]) -> None:
         """Advise the new destinations of ``(segment, offset, dst_addr, nbytes)`` runs
         ``MADV_HUGEPAGE`` where this pull uses huge pages and they hold at least
         :data:`MIN_BYTES`. Best effort: a refused advice leaves small pages."""
-        if not self.on:
+        if self.mode == "off" or sum(c[3] for c in copies) < MIN_BYTES or not self.on:
             return
         # Each destination's whole 2 MiB-aligned interior; the pages at its ends may be
         # shared with a neighbour already landed.
