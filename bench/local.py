@@ -420,6 +420,7 @@ def host_target(args: argparse.Namespace) -> None:
     import modelexpress.checkpoint  # noqa: F401
     import modelexpress.local.client  # noqa: F401
     import modelexpress.local.hostcopy  # noqa: F401
+    import modelexpress.local.hugepages  # noqa: F401
     import modelexpress.local.memory  # noqa: F401
     import modelexpress.p2p.target  # noqa: F401
     import modelexpress.transfer.digest  # noqa: F401

@@ -150,6 +150,10 @@ PY
       { python3 -c 'from modelexpress.local import hugepages as h; print("thp", h.thp_mode(), "backed_up_front", h.backed_up_front())'
         grep -c -w hypervisor /proc/cpuinfo; ls -l /dev/nvidia0
         cat /sys/kernel/mm/transparent_hugepage/defrag; grep -i huge /proc/meminfo
+        # virtio devices (0x0005: a balloon; its feature bit 5: free page reporting) and
+        # the free blocks by order: what else a huge-page choice could read
+        for d in /sys/bus/virtio/devices/*; do echo "$d $(cat "$d/device") $(cat "$d/features")"; done
+        cat /proc/buddyinfo; env | grep '^PYTHON'
       } > "$OUT/thp.log" 2>&1
       python3 bench/local.py --host ${LOCAL_HOST_ARGS:---rounds 7 --fresh-rounds 5} 2>&1 |
         tee "$OUT/bench_local_host_gpu_host.log" | tail -6
