@@ -367,6 +367,178 @@ def test_the_c_loop_refuses_buffers_of_the_wrong_shape_naming_the_argument():
         os.close(fd)
 
 
+def _run_c_loop(pieces, streams, threads, stream_fns):  # type: ignore[no-untyped-def]
+    """``_copyloop.run`` on plain lists; (done, err, digests, hashed)."""
+    import array
+
+    from modelexpress.local import _copyloop, hostcopy
+    np_, ns = len(pieces) // 6, len(streams) // 2
+    left = array.array("q", [0] * ns)
+    for k in range(np_):
+        if pieces[6 * k + 5] >= 0:
+            left[pieces[6 * k + 5]] += 1
+    done, err = array.array("q", [0] * np_), array.array("q", [0] * np_)
+    digests, hashed = bytearray(16 * ns), bytearray(ns)
+    extra = (stream_fns,) if stream_fns is not None else ()
+    _copyloop.run(array.array("q", pieces), array.array("q", streams), left, done, err,
+                  digests, hashed, threads, hostcopy._xxh3_address(), *extra)
+    return done, err, digests, hashed
+
+
+@pytest.mark.parametrize("fed", [True, False], ids=["fed-in-order", "hashed-whole"])
+def test_the_c_loop_digests_every_range_from_pieces_landing_on_many_threads(seed, fed):
+    """Ranges cut into many small pieces (4 KiB up to 300 KiB, odd sizes) read on 8
+    threads: with the stream functions each range is fed in address order as its pieces
+    land on any thread, without them hashed whole at its end; either way every range's
+    digest is the xxhash package's of its bytes, over rounds that race differently. A
+    range with a piece that is not read here (fd -1: a page-cache miss, say) gets no
+    digest (hashed 0: the caller hashes it), and the others are not held up by it."""
+    import random
+
+    import xxhash
+
+    from modelexpress.local import hostcopy
+    fns = hostcopy._xxh3_stream_functions()
+    assert fns is not None  # the xxhash package the project depends on exports them
+    rng = random.Random(seed)
+    sizes = [5, 3 << 20 | 4097, 300 << 10, 1, 2 << 20]
+    total = sum(sizes)
+    fd = os.memfd_create("copyloop-feed")
+    try:
+        src = torch.randint(0, 256, (total,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(seed))
+        os.write(fd, bytes(src.numpy()))
+        for round_ in range(5):
+            dst = torch.zeros(total, dtype=torch.uint8)
+            base = dst.data_ptr()
+            pieces, streams, off = [], [], 0
+            for s, n in enumerate(sizes):
+                streams += [base + off, n]
+                pos = 0
+                while pos < n:
+                    take = min(n - pos, rng.choice([4096, 5000, 65536, 300 << 10]))
+                    gone = round_ == 4 and s == 1 and pos > 0 and not any(
+                        p == -1 for p in pieces[0::6])  # one piece of range 1 not read
+                    pieces += [-1 if gone else fd, off + pos, base + off + pos, take, 0, s]
+                    pos += take
+                off += n
+            done, err, digests, hashed = _run_c_loop(pieces, streams, 8,
+                                                     fns if fed else None)
+            off = 0
+            for s, n in enumerate(sizes):
+                want = xxhash.xxh3_128(bytes(src[off:off + n].numpy())).digest()
+                if round_ == 4 and s == 1:
+                    assert hashed[s] == 0  # its unread piece: left to the caller
+                else:
+                    assert hashed[s] == 1 and bytes(digests[16 * s:16 * s + 16]) == want, \
+                        (round_, s)
+                    assert torch.equal(dst[off:off + n], src[off:off + n])
+                off += n
+            assert not any(err)
+    finally:
+        os.close(fd)
+
+
+def test_the_c_loop_refuses_pieces_that_do_not_cover_their_range_in_order():
+    """Fed in order, a range's pieces must be consecutive and cover it byte after byte
+    (what the copier cuts); anything else is refused before a byte is read."""
+    from modelexpress.local import hostcopy
+    fns = hostcopy._xxh3_stream_functions()
+    fd = os.memfd_create("copyloop-order")
+    try:
+        os.write(fd, bytes(64))
+        dst = torch.zeros(64, dtype=torch.uint8)
+        a = dst.data_ptr()
+        with pytest.raises(ValueError, match="piece 2: stream 0's pieces are not consecutive"):
+            _run_c_loop([fd, 0, a, 16, 0, 0, fd, 16, a + 16, 16, 0, -1,
+                         fd, 32, a + 32, 32, 0, 0], [a, 64, a + 64, 0], 2, fns)
+        with pytest.raises(ValueError, match="piece 1: not the next bytes of stream 0"):
+            _run_c_loop([fd, 0, a, 16, 0, 0, fd, 32, a + 32, 32, 0, 0], [a, 64], 2, fns)
+        with pytest.raises(ValueError, match="stream 0: its pieces do not cover it"):
+            _run_c_loop([fd, 0, a, 16, 0, 0], [a, 64], 2, fns)
+        assert not any(dst)
+    finally:
+        os.close(fd)
+
+
+def test_two_c_loop_copies_at_once_each_land_every_byte(seed):
+    """Two copies at once in one process (two pulls): one has the kept helper threads,
+    the other starts threads of its own; both land every byte and every digest."""
+    import threading
+
+    import xxhash
+
+    from modelexpress.local import hostcopy
+    fns = hostcopy._xxh3_stream_functions()
+    n = 8 << 20
+    fd = os.memfd_create("copyloop-two")
+    try:
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(seed))
+        os.write(fd, bytes(src.numpy()))
+        want = xxhash.xxh3_128(bytes(src.numpy())).digest()
+        failures: list[str] = []
+
+        def copy_rounds() -> None:
+            for _ in range(20):
+                dst = torch.zeros(n, dtype=torch.uint8)
+                pieces = []
+                for a in range(0, n, 256 << 10):
+                    pieces += [fd, a, dst.data_ptr() + a, 256 << 10, 0, 0]
+                _, _, digests, hashed = _run_c_loop(pieces, [dst.data_ptr(), n], 4, fns)
+                if not (hashed[0] and bytes(digests) == want and torch.equal(dst, src)):
+                    failures.append("a copy landed wrong bytes or digest")
+
+        threads = [threading.Thread(target=copy_rounds) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert failures == []
+    finally:
+        os.close(fd)
+
+
+def test_a_forked_child_runs_the_c_loop_on_threads_of_its_own(seed):
+    """After the parent's C-loop copies (its kept helper threads), a forked child's
+    copy on several threads starts helpers of its own and lands every byte."""
+    import ctypes
+    import time
+    buf, _ = _source([4 << 20], seed)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    try:
+        landed = torch.empty(4 << 20, dtype=torch.uint8)
+        quarters = [(0, a, landed.data_ptr() + a, 1 << 20) for a in range(0, 4 << 20, 1 << 20)]
+        HostCopier(mapping, threads=4, native=True).copy(quarters)
+        want = bytes(buf.tensor(0, (4 << 20,), torch.uint8).numpy())
+        assert bytes(landed.numpy()) == want
+        pid = os.fork()
+        if pid == 0:  # no torch in the child: only reads into a ctypes buffer
+            code = 1
+            try:
+                out = (ctypes.c_ubyte * (4 << 20))()
+                HostCopier(mapping, threads=4, native=True).copy(
+                    [(0, a, ctypes.addressof(out) + a, 1 << 20) for a in range(0, 4 << 20, 1 << 20)])
+                code = 0 if bytes(out) == want else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child's C-loop copy did not finish in 30 s")
+            time.sleep(0.02)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        mapping.close()
+        buf.close()
+
+
 def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
     """A process that forks after a parallel copy (an engine forking its workers): the
     parent's copy threads do not exist in the child, which starts its own."""
