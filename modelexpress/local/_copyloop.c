@@ -49,6 +49,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -304,12 +305,24 @@ work(void *arg)
     }
 }
 
+/* Helpers are started with every signal blocked (they inherit the mask), so that a
+ * signal meant for the process is never taken by one, kept or not. */
+static void
+block_signals(sigset_t *old)
+{
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, old);
+}
+
 /* Threads of a call that could not have the pool: started here, joined before return. */
 static void
 unpooled(job_t *job, int helpers)
 {
     pthread_t tid[POOL_MAX];
     int started = 0;
+    sigset_t old;
+    block_signals(&old);
     pthread_attr_t attr;
     int attr_ok = pthread_attr_init(&attr) == 0;
     if (attr_ok)
@@ -321,6 +334,7 @@ unpooled(job_t *job, int helpers)
     }
     if (attr_ok)
         pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     work(job);
     /* ORDER: every piece is taken once work() returns here; the join waits for those
      * the helpers still read (bounded: reads of memory and of the page cache). */
@@ -358,6 +372,8 @@ pooled(job_t *job, int helpers)
     if (helpers > POOL_MAX)
         helpers = POOL_MAX;
     if (helpers > 0 && pool_size < helpers) {
+        sigset_t old;
+        block_signals(&old);
         pthread_attr_t attr;
         int attr_ok = pthread_attr_init(&attr) == 0;
         if (attr_ok) {
@@ -374,6 +390,7 @@ pooled(job_t *job, int helpers)
         }
         if (attr_ok)
             pthread_attr_destroy(&attr);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
     }
     pthread_mutex_lock(&pool_mu);
     if (helpers > pool_size)

@@ -539,6 +539,46 @@ def test_a_forked_child_runs_the_c_loop_on_threads_of_its_own(seed):
         buf.close()
 
 
+def test_the_c_loop_keeps_its_helper_threads_with_signals_blocked():
+    """A process's C-loop copies on 4 threads start 3 helpers once and reuse them (no
+    thread more after further copies), and the helpers block every signal, so that
+    SIGINT or SIGTERM for the process reaches the main thread (the process here runs
+    no torch: its OpenMP threads would be counted too)."""
+    import subprocess
+    import sys
+    code = r"""
+import array, ctypes, os
+from modelexpress.local import _copyloop
+def tasks():
+    return sorted(int(t) for t in os.listdir("/proc/self/task"))
+fd = os.memfd_create("copyloop-pool")
+os.write(fd, bytes(range(256)) * 4096)
+out = ctypes.create_string_buffer(1 << 20)
+def copy():
+    pieces = []
+    for a in range(0, 1 << 20, 64 << 10):
+        pieces += [fd, a, ctypes.addressof(out) + a, 64 << 10, 0, -1]
+    q = lambda n: array.array("q", [0] * n)
+    _copyloop.run(array.array("q", pieces), array.array("q"), q(0), q(16), q(16),
+                  bytearray(0), bytearray(0), 4, 0)
+    assert out.raw == bytes(range(256)) * 4096
+before = tasks()
+copy()
+after = tasks()
+for _ in range(20):
+    copy()
+assert tasks() == after, (after, tasks())
+helpers = [t for t in after if t not in before]
+assert len(helpers) == 3, (before, after)
+for t in helpers:
+    blk = int([l for l in open(f"/proc/self/task/{t}/status") if l.startswith("SigBlk")][0].split()[1], 16)
+    assert blk & (1 << 1) and blk & (1 << 14), hex(blk)  # SIGINT (2), SIGTERM (15)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
 def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
     """A process that forks after a parallel copy (an engine forking its workers): the
     parent's copy threads do not exist in the child, which starts its own."""
