@@ -42,7 +42,8 @@
  * pull into touched memory (bench/local.py --host). One call at a time has the pool; a
  * call that finds it taken (two pulls at once in one process) starts threads of its
  * own, as every call did before. A child process after fork() has none of the parent's
- * threads: it starts its own pool (pthread_atfork).
+ * threads: it starts its own pool (pthread_atfork). Helpers block every signal: a
+ * signal for the process always finds a thread that is not ours (the main thread).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
