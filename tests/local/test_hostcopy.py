@@ -500,45 +500,6 @@ def test_two_c_loop_copies_at_once_each_land_every_byte(seed):
         os.close(fd)
 
 
-def test_a_forked_child_runs_the_c_loop_on_threads_of_its_own(seed):
-    """After the parent's C-loop copies (its kept helper threads), a forked child's
-    copy on several threads starts helpers of its own and lands every byte."""
-    import ctypes
-    import time
-    buf, _ = _source([4 << 20], seed)
-    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
-    try:
-        landed = torch.empty(4 << 20, dtype=torch.uint8)
-        quarters = [(0, a, landed.data_ptr() + a, 1 << 20) for a in range(0, 4 << 20, 1 << 20)]
-        HostCopier(mapping, threads=4, native=True).copy(quarters)
-        want = bytes(buf.tensor(0, (4 << 20,), torch.uint8).numpy())
-        assert bytes(landed.numpy()) == want
-        pid = os.fork()
-        if pid == 0:  # no torch in the child: only reads into a ctypes buffer
-            code = 1
-            try:
-                out = (ctypes.c_ubyte * (4 << 20))()
-                HostCopier(mapping, threads=4, native=True).copy(
-                    [(0, a, ctypes.addressof(out) + a, 1 << 20) for a in range(0, 4 << 20, 1 << 20)])
-                code = 0 if bytes(out) == want else 2
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + 30
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child's C-loop copy did not finish in 30 s")
-            time.sleep(0.02)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        mapping.close()
-        buf.close()
-
-
 def test_the_c_loop_keeps_its_helper_threads_with_signals_blocked():
     """A process's C-loop copies on 4 threads start 3 helpers once and reuse them (no
     thread more after further copies), and the helpers block every signal, so that
@@ -579,26 +540,30 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
-def test_a_forked_child_copies_on_copy_threads_of_its_own(seed):
+@pytest.mark.parametrize("native", [False, True], ids=["python-loop", "c-loop"])
+def test_a_forked_child_copies_on_copy_threads_of_its_own(seed, native):
     """A process that forks after a parallel copy (an engine forking its workers): the
-    parent's copy threads do not exist in the child, which starts its own."""
+    parent's copy threads (the process's Python workers, or the C loop's kept helpers)
+    do not exist in the child, which starts its own and lands every byte."""
     import ctypes
     import time
     buf, spans = _source([4 << 20], seed)
     mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
     try:
         landed = torch.empty(4 << 20, dtype=torch.uint8)
-        halves = [(0, a, landed.data_ptr() + a, 2 << 20) for a in (0, 2 << 20)]
-        HostCopier(mapping, threads=2, native=False).copy(halves)  # a copy thread takes one
-        assert _copy_threads()
+        quarters = [(0, a, landed.data_ptr() + a, 1 << 20) for a in range(0, 4 << 20, 1 << 20)]
+        HostCopier(mapping, threads=4, native=native).copy(quarters)  # threads take some
+        if not native:
+            assert _copy_threads()
         want = bytes(buf.tensor(0, (4 << 20,), torch.uint8).numpy())
+        assert bytes(landed.numpy()) == want
         pid = os.fork()
         if pid == 0:  # no torch in the child: only reads into a ctypes buffer
             code = 1
             try:
                 out = (ctypes.c_ubyte * (4 << 20))()
-                HostCopier(mapping, threads=2, native=False).copy(
-                    [(0, a, ctypes.addressof(out) + a, 2 << 20) for a in (0, 2 << 20)])
+                HostCopier(mapping, threads=4, native=native).copy(
+                    [(0, a, ctypes.addressof(out) + a, 1 << 20) for a in range(0, 4 << 20, 1 << 20)])
                 code = 0 if bytes(out) == want else 2
             finally:
                 os._exit(code)
