@@ -164,12 +164,17 @@ def test_cpu_tensors_outside_shared_memory_are_refused(tmp_path):
     assert view.tolist() == [7, 7, 7, 7]
 
 
-def test_doctor_reports_the_c_copy_loop_built_and_hashing():
+def test_doctor_reports_the_c_copy_loop_built_and_hashing(monkeypatch):
     """CI builds the C extension (the package's own setup): doctor says the host copier
-    runs its C loop, with xxh3 digests through the xxhash package's own function."""
+    runs its C loop, with xxh3 digests through the xxhash package's own functions, each
+    block fed in order; where the package exports no streaming XXH3 it says the blocks
+    are hashed whole (the slower way on many cores)."""
     from modelexpress.local import hostcopy
     from modelexpress.local.diagnostics import doctor_checks
     [check] = doctor_checks()
     result = check.run()
     assert hostcopy.NATIVE and result.status == "ok", result
-    assert "without the GIL" in result.detail
+    assert "without the GIL" in result.detail and "in order" in result.detail, result
+    monkeypatch.setattr(hostcopy, "_xxh3_stream_functions", lambda: None)
+    result = check.run()
+    assert result.status == "ok" and "no streaming XXH3" in result.detail, result
