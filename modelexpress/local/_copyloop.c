@@ -102,12 +102,13 @@ typedef struct {
     unsigned char *digests, *hashed;
     xxh3_fn xxh3;
     int64_t next; /* the next piece to take (atomic) */
-    /* Fed in order (stream functions given): per range its state, its pieces
-     * [first, end), the next one to feed, whether a thread feeds it now; per piece
-     * whether it was read whole. NULL sfn: each range hashed whole at its end. */
+    /* Fed in order (stream functions given): per range its state, the next of its
+     * pieces to feed (its first to begin with), one past its last, whether a thread
+     * feeds it now; per piece whether it was read whole. NULL sfn: each range hashed
+     * whole at its end. */
     const xxh3_stream_t *sfn;
     void **state;
-    int64_t *first, *end, *feed_next;
+    int64_t *feed_next, *end;
     int *busy;
     unsigned char *landed;
 } job_t;
@@ -198,6 +199,14 @@ ended(job_t *job, int64_t s, int whole)
     put_digest(job, s, job->xxh3((const void *)(uintptr_t)st[0], (size_t)st[1]));
 }
 
+static int
+hold(job_t *job, int64_t s)
+{
+    int idle = 0;
+    return __atomic_compare_exchange_n(&job->busy[s], &idle, 1, 0, __ATOMIC_SEQ_CST,
+                                       __ATOMIC_SEQ_CST);
+}
+
 /* Ranges fed in order: the pieces of a range land on any thread in any order, and
  * its hash state must see them in address order. The thread that holds the range
  * (busy) feeds every piece landed from `feed_next` on and then lets go; a thread that
@@ -223,19 +232,9 @@ feed_held(job_t *job, int64_t s)
         __atomic_store_n(&job->busy[s], 0, __ATOMIC_SEQ_CST);
         if (!__atomic_load_n(&job->landed[j], __ATOMIC_SEQ_CST))
             return; /* its lander will feed it */
-        int idle = 0;
-        if (!__atomic_compare_exchange_n(&job->busy[s], &idle, 1, 0, __ATOMIC_SEQ_CST,
-                                         __ATOMIC_SEQ_CST))
+        if (!hold(job, s))
             return; /* another thread took the range: it feeds piece j */
     }
-}
-
-static int
-hold(job_t *job, int64_t s)
-{
-    int idle = 0;
-    return __atomic_compare_exchange_n(&job->busy[s], &idle, 1, 0, __ATOMIC_SEQ_CST,
-                                       __ATOMIC_SEQ_CST);
 }
 
 /* Piece k of range s read by its taker, who holds the range and feeds it next: read
@@ -270,14 +269,12 @@ work(void *arg)
         const int64_t *p = job->pieces + PIECE_WORDS * k;
         int64_t fd = p[0], off = p[1], dst = p[2], n = p[3], flags = p[4], s = p[5];
         int64_t got = 0, error = 0;
-        /* The range's next piece, taken with the range free: read and fed in one pass. */
+        /* The range's next piece, taken with the range free: read and fed in one pass.
+         * (feed_next cannot move past k meanwhile: only a landed piece is fed, and k
+         * lands here.) */
         int feeding = s >= 0 && job->sfn != NULL && fd >= 0
                       && __atomic_load_n(&job->feed_next[s], __ATOMIC_RELAXED) == k
                       && hold(job, s);
-        if (feeding && __atomic_load_n(&job->feed_next[s], __ATOMIC_RELAXED) != k) {
-            feed_held(job, s); /* (it moved on meanwhile: not this piece's turn) */
-            feeding = 0;
-        }
         if (fd >= 0) {
             if (flags & FLAG_PREFAULT)
                 prefault((uintptr_t)dst, (size_t)n);
@@ -529,12 +526,12 @@ run(PyObject *self, PyObject *args)
         threads = np > 0 ? (int)np : 1;
 
     job_t job = {pieces, np, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf, v[6].buf,
-                 (xxh3_fn)(uintptr_t)xxh3_addr, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                 (xxh3_fn)(uintptr_t)xxh3_addr, 0, NULL, NULL, NULL, NULL, NULL, NULL};
     memset(job.hashed, 0, (size_t)ns);
     if (streaming && ns > 0) {
         /* Each range's pieces must be consecutive and cover it in address order (how
          * hostcopy cuts them): the in-order feeding walks them so. */
-        size_t words = 4 * (size_t)ns; /* state, first, end, expected next address */
+        size_t words = 4 * (size_t)ns; /* state, feed_next, end, expected next address */
         scratch = calloc(words * 8 + (size_t)ns * sizeof(int) + (size_t)np + 1, 1);
         if (scratch == NULL) {
             PyErr_NoMemory();
@@ -542,15 +539,14 @@ run(PyObject *self, PyObject *args)
         }
         states = scratch;
         job.state = states;
-        job.first = (int64_t *)scratch + ns;
+        job.feed_next = (int64_t *)scratch + ns; /* each range's first piece, to begin */
         job.end = (int64_t *)scratch + 2 * ns;
-        job.feed_next = job.first; /* starts at each range's first piece, then moves */
         int64_t *at = (int64_t *)scratch + 3 * ns;
         job.busy = (int *)((int64_t *)scratch + 4 * ns);
         job.landed = (unsigned char *)(job.busy + ns);
         const int64_t *st = job.streams;
         for (Py_ssize_t r = 0; r < ns; r++) {
-            job.first[r] = job.end[r] = -1;
+            job.feed_next[r] = job.end[r] = -1;
             at[r] = st[STREAM_WORDS * r];
         }
         for (Py_ssize_t k = 0; k < np; k++) {
@@ -558,8 +554,8 @@ run(PyObject *self, PyObject *args)
             int64_t r = pc[5];
             if (r < 0)
                 continue;
-            if (job.first[r] < 0)
-                job.first[r] = k;
+            if (job.feed_next[r] < 0)
+                job.feed_next[r] = k;
             else if (job.end[r] != k) {
                 PyErr_Format(PyExc_ValueError, "piece %zd: stream %lld's pieces are not "
                              "consecutive", k, (long long)r);
@@ -574,8 +570,8 @@ run(PyObject *self, PyObject *args)
             at[r] += pc[3];
         }
         for (Py_ssize_t r = 0; r < ns; r++) {
-            if (job.first[r] < 0) { /* no piece here: never digested (hashed 0) */
-                job.first[r] = job.end[r] = 0;
+            if (job.feed_next[r] < 0) { /* no piece here: never digested (hashed 0) */
+                job.feed_next[r] = job.end[r] = 0;
                 job.busy[r] = 1;
                 continue;
             }
@@ -584,7 +580,8 @@ run(PyObject *self, PyObject *args)
                 goto out;
             }
         }
-        /* ORDER: first/end are read above; the states take their words only now. */
+        /* ORDER: the states are made only once the pieces passed (a refusal above has
+         * none to free). */
         for (Py_ssize_t r = 0; r < ns; r++) {
             void *state = sfn.create();
             if (state == NULL || sfn.reset(state) != 0) {

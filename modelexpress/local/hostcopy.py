@@ -135,27 +135,43 @@ class _XXH128(ctypes.Structure):
     _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
 
 
+# A test input past xxh3's short-input paths, and the package's digest of it.
+_PROBE = bytes(range(256)) * 9 + b"mx"
+
+
+@functools.cache
+def _xxhash_lib() -> tuple[Any, bytes] | None:
+    """The ``xxhash`` package's own library (ctypes) and its ``xxh3_128`` of
+    :data:`_PROBE`, which every function taken from the library must give; None where
+    it cannot be loaded."""
+    try:
+        import xxhash
+        from xxhash import _xxhash
+        return ctypes.CDLL(_xxhash.__file__), xxhash.xxh3_128(_PROBE).digest()
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+def _canonical(h: "_XXH128") -> bytes:
+    return h.high64.to_bytes(8, "big") + h.low64.to_bytes(8, "big")
+
+
 @functools.cache
 def _xxh3_address() -> int:
     """The address of the ``xxhash`` package's own ``XXH3_128bits`` (its runtime-
     dispatched build where it exports one), once it gave the package's digest of a
     test input; 0 where there is none (the C loop then copies only where nothing is
     hashed)."""
-    try:
-        import xxhash
-        from xxhash import _xxhash
-        lib = ctypes.CDLL(_xxhash.__file__)
-    except (ImportError, OSError, AttributeError):
+    loaded = _xxhash_lib()
+    if loaded is None:
         return 0
-    probe = bytes(range(256)) * 9 + b"mx"  # past xxh3's short-input paths
+    lib, want = loaded
     for name in ("XXH3_128bits_dispatch", "XXH3_128bits"):
         fn = getattr(lib, name, None)  # None: not exported by this build
         if fn is None:
             continue
         fn.restype, fn.argtypes = _XXH128, [ctypes.c_char_p, ctypes.c_size_t]
-        got = fn(probe, len(probe))
-        if got.high64.to_bytes(8, "big") + got.low64.to_bytes(8, "big") == \
-                xxhash.xxh3_128(probe).digest():
+        if _canonical(fn(_PROBE, len(_PROBE))) == want:
             return ctypes.cast(fn, ctypes.c_void_p).value or 0
         log.warning("the xxhash package's %s disagrees with its xxh3_128: host copies "
                     "hash in Python", name)
@@ -169,14 +185,15 @@ def _xxh3_stream_functions() -> tuple[int, int, int, int, int] | None:
     dispatched build where it exports one) and ``XXH3_128bits_digest``, once they gave
     the package's digest of a test input fed in three parts; None where there are none
     (the C loop then hashes each range whole once its last piece has landed)."""
+    loaded = _xxhash_lib()
+    if loaded is None:
+        return None
+    lib, want = loaded
     try:
-        import xxhash
-        from xxhash import _xxhash
-        lib = ctypes.CDLL(_xxhash.__file__)
         create, free, reset, digest = (lib.XXH3_createState, lib.XXH3_freeState,
                                        lib.XXH3_128bits_reset, lib.XXH3_128bits_digest)
         update = getattr(lib, "XXH3_128bits_update_dispatch", None) or lib.XXH3_128bits_update
-    except (ImportError, OSError, AttributeError):
+    except AttributeError:  # not exported by this build
         return None
     create.restype, create.argtypes = ctypes.c_void_p, []
     free.restype, free.argtypes = ctypes.c_int, [ctypes.c_void_p]
@@ -184,21 +201,19 @@ def _xxh3_stream_functions() -> tuple[int, int, int, int, int] | None:
     update.restype = ctypes.c_int
     update.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
     digest.restype, digest.argtypes = _XXH128, [ctypes.c_void_p]
-    probe = bytes(range(256)) * 9 + b"mx"  # past xxh3's short-input paths
     state = create()
     if not state:
         return None
     try:
         if reset(state) != 0:
             return None
-        for part in (probe[:100], probe[100:1500], probe[1500:]):
+        for part in (_PROBE[:100], _PROBE[100:1500], _PROBE[1500:]):
             if update(state, part, len(part)) != 0:
                 return None
-        got = digest(state)
+        got = _canonical(digest(state))
     finally:
         free(state)
-    if got.high64.to_bytes(8, "big") + got.low64.to_bytes(8, "big") != \
-            xxhash.xxh3_128(probe).digest():
+    if got != want:
         log.warning("the xxhash package's streaming XXH3_128bits disagrees with its "
                     "xxh3_128: the C loop hashes each range whole")
         return None
