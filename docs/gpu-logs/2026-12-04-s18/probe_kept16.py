@@ -1,9 +1,15 @@
-"""70 MB into touched memory, one process: where a pull's time goes against memcpy (scratch).
+"""70 MB into touched memory, one process: where a pull's time goes against memcpy (a probe kept with its logs).
 
 Variants, interleaved each round with a torch memcpy of the same bytes:
   fresh          pull() as today (connect, map, plan, copy+hash, close)
+  fresh_addr     the same with hostcopy.LARGEST_FIRST off: an A/B of the experiment in
+                 largest_first.diff (without that patch the flag is read by nothing and
+                 the two variants are the same code)
   kept           the same with one session kept (LocalSession/close monkeypatched)
+  kept_addr      kept, with hostcopy.LARGEST_FIRST off (as fresh_addr)
   kept_nover     kept, verify=False (the copy without hashing)
+  kept_py        kept, on the Python loop (hostcopy.NATIVE off; listed in the _pool and
+                 _feed runs, which this version no longer runs)
   kept_tN        kept, N copy threads
   loop           HostCopier.copy alone on the kept session (no plan, no digests)
   loop_tiny      HostCopier.copy of 16 x 64 KiB pieces on 16 threads: thread start cost
@@ -42,8 +48,12 @@ with tempfile.TemporaryDirectory() as tmp:
         tiny_runs = [(*kept.host_segment(big.addr, 1 << 16), tiny.data_ptr() + (i << 16), 1 << 16) for i in range(16)]
         real_threads = hostcopy.copy_threads
         def variant(v):
-            if v == "fresh":
-                return pull(ep, m, dest, verify=True).seconds
+            if v.startswith("fresh"):
+                hostcopy.LARGEST_FIRST = v == "fresh"
+                try:
+                    return pull(ep, m, dest, verify=True).seconds
+                finally:
+                    hostcopy.LARGEST_FIRST = True
             if v.startswith("loop"):
                 c = HostCopier(kept.host_map, threads=16 if v == "loop_tiny" else None)
                 t0 = time.perf_counter(); c.copy(tiny_runs if v == "loop_tiny" else runs); c.close()
@@ -53,12 +63,13 @@ with tempfile.TemporaryDirectory() as tmp:
             if "_t" in v:
                 k = int(v.split("_t")[1]); hostcopy.copy_threads = lambda: k
             if v == "kept_py": hostcopy.NATIVE = False
+            hostcopy.LARGEST_FIRST = v != "kept_addr"
             try:
                 r = pull(ep, m, dest, verify=v != "kept_nover")
                 phases.setdefault(v, []).append(r.phases)
                 return r.seconds
             finally:
-                client.LocalSession = Orig; Orig.close = real_close; hostcopy.copy_threads = real_threads; hostcopy.NATIVE = True
+                client.LocalSession = Orig; Orig.close = real_close; hostcopy.copy_threads = real_threads; hostcopy.NATIVE = True; hostcopy.LARGEST_FIRST = True
         ncpu = len(os.sched_getaffinity(0))
         print("xxh3 address", hex(hostcopy._xxh3_address()), "native", hostcopy.NATIVE, flush=True)
         import xxhash
@@ -67,7 +78,7 @@ with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter(); [xxhash.xxh3_128(mv) for _ in range(20)]; dt = (time.perf_counter() - t0) / 20
         print(f"xxh3_128 of 8 MiB (hot): {dt*1e3:.3f} ms, {8*1.048576/dt/1e3:.1f} GB/s", flush=True)
         phases = {}
-        vs = ["fresh", "kept", "kept_nover", "kept_py", "loop", "loop_tiny"] + [f"kept_t{k}" for k in (4, 8, 12) if k < ncpu]
+        vs = ["fresh", "fresh_addr", "kept", "kept_addr", "kept_nover", "loop", "loop_tiny"] + [f"kept_t{k}" for k in (4, 8, 12) if k < ncpu]
         for v in vs: variant(v)
         mem, rows = [], {v: [] for v in vs}
         for _ in range(rounds):
