@@ -21,6 +21,7 @@ import inspect
 import logging
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -53,6 +54,14 @@ log = logging.getLogger(__name__)
 MemKind = Literal["DRAM", "VRAM"]
 XferState = Literal["DONE", "PROC", "ERR"]
 T = TypeVar("T")
+
+# After a failed READ, progress calls beyond one per queued descriptor: UCX's flush of
+# the discarded endpoint and its completion each take one.
+_DRAIN_SPARE = 8
+_DRAIN_S = 5.0  # bound on those calls (each moves one queued operation: microseconds)
+# How long releasing an in-flight READ waits for it: one posted READ lands in
+# milliseconds over CMA, RDMA or a healthy TCP link; only a hung peer takes longer.
+_SETTLE_S = 1.0
 
 _CANDIDATES = ("nixl", "nixl_cu13", "nixl_cu12")
 _INSTALL_HINT = "pip install 'modelexpress[nixl]' (nixl-cu12) or 'modelexpress[nixl-cu13]'"
@@ -187,6 +196,16 @@ class NixlAgent:
     another thread may register memory or read; NIXL's default sync mode without
     the listener thread is ``NONE`` (no internal locking).
 
+    UCX cannot cancel a READ, and a failed one can leave others behind it queued: over
+    CMA each worker progress moves one queued operation of a peer whose operations
+    fail, while NIXL stops progressing once nothing succeeds. A worker destroyed with
+    any still queued aborts the process (UCX's ``ucs_arbiter_group_is_empty``
+    assertion; a READ of 48 pieces posted to a peer just killed did it 5 times in 6).
+    So the agent knows how many descriptors its posted READs hold: a READ that fails
+    is followed by that many progress calls, releasing one still in flight first
+    waits for it to settle (nothing lands after :meth:`release` returns), and
+    :meth:`close` progresses whatever is still owed before the agent goes.
+
     Args:
         name: agent name; a uuid-based one when None (names must be unique per peer pair;
             keep the first 31 characters unique within a process: UCX names its
@@ -218,6 +237,11 @@ class NixlAgent:
         self._lock = threading.RLock()
         self._closed = False
         self._agent: Any = None
+        self._descs: dict[int, int] = {}  # id(READ request) -> its descriptor count
+        # Posted READs last seen in flight, by id (held: an id is not reused meanwhile).
+        self._live: dict[int, Any] = {}
+        self._owed = 0  # progress calls owed before the worker may be destroyed
+        self._notifs: dict[str, list[bytes]] = {}  # met while draining, for progress()
         config = nixl.nixl_agent_config(enable_prog_thread=enable_prog_thread,
                                         enable_listen_thread=False, listen_port=listen_port,
                                         num_threads=num_threads, backends=[])
@@ -328,35 +352,118 @@ class NixlAgent:
     def make_read(self, local: Any, local_idx: Any, remote: Any, remote_idx: Any,
                   peer: str, notif: bytes = b"") -> Any:
         """Build a READ request from prepared lists and index arrays."""
-        return self._call("create READ request", self._agent.make_prepped_xfer, "READ", local,
+        xfer = self._call("create READ request", self._agent.make_prepped_xfer, "READ", local,
                           local_idx, remote, remote_idx, notif, [self.backend], peer=peer)
+        with self._lock:
+            self._descs[id(xfer)] = max(len(local_idx), 1)
+        return xfer
 
     def post(self, xfer: Any, peer: str, nbytes: int) -> XferState:
         """Post a request; returns DONE, PROC or ERR."""
-        return self._call("post READ", self._agent.transfer, xfer, peer=peer, nbytes=nbytes)
+        return self._seen(xfer, "post READ", self._agent.transfer, peer, nbytes)
 
     def state(self, xfer: Any, peer: str, nbytes: int) -> XferState:
         """Poll a posted request (this also progresses the worker)."""
-        return self._call("check READ", self._agent.check_xfer_state, xfer, peer=peer,
-                          nbytes=nbytes)
+        return self._seen(xfer, "check READ", self._agent.check_xfer_state, peer, nbytes)
+
+    def _seen(self, xfer: Any, op: str, fn: Callable[[Any], XferState], peer: str,
+              nbytes: int) -> XferState:
+        """``fn(xfer)``, keeping track of what is in flight, and draining what a failure
+        left queued (see the class docstring)."""
+        with self._lock:
+            try:
+                state = self._call(op, fn, xfer, peer=peer, nbytes=nbytes)
+            except TransferError:
+                if not self._closed:
+                    self._live.pop(id(xfer), None)
+                    self._drain(self._queued(xfer))
+                raise
+            if state == "PROC":
+                self._live[id(xfer)] = xfer
+            else:
+                self._live.pop(id(xfer), None)
+                if state == "ERR":
+                    self._drain(self._queued(xfer))
+            return state
+
+    def _queued(self, failed: Any) -> int:
+        """Progress calls that move everything a failure may have left queued: one per
+        descriptor of the failed READ and of those still in flight, and a few for the
+        flush UCX queues behind them when it discards the peer's endpoint."""
+        return (self._descs.get(id(failed), 1) + sum(self._descs.get(i, 1) for i in self._live)
+                + _DRAIN_SPARE)
+
+    def _drain(self, calls: int) -> None:
+        """Progress the worker ``calls`` times (the caller holds the lock), keeping the
+        notifications met for :meth:`progress`."""
+        end = time.monotonic() + _DRAIN_S
+        for _ in range(calls):
+            try:
+                notifs = self._agent.get_new_notifs()
+            except _nixl_errors() as exc:
+                log.warning("NIXL agent %s: progressing the worker after a failed READ "
+                            "failed: %s", self.name, exc)
+                return
+            for k, v in notifs.items():
+                self._notifs.setdefault(k.decode() if isinstance(k, bytes) else str(k),
+                                        []).extend(v)
+            if time.monotonic() > end:
+                log.warning("NIXL agent %s: %d progress calls after a failed READ took over "
+                            "%g s; stopped", self.name, calls, _DRAIN_S)
+                return
 
     def release(self, handle: Any) -> None:
-        """Release a request or prepared-list handle. Releasing an active request asks
-        NIXL to abort it; a failure is logged, not raised, because release runs on
-        error paths where the original error matters more."""
+        """Release a request or prepared-list handle; a failure is logged, not raised,
+        because release runs on error paths where the original error matters more.
+
+        A READ still in flight is first polled until it lands or fails, for at most
+        ``_SETTLE_S`` (UCX cannot cancel it: released early, it would go on landing
+        into memory its caller may reuse). One that does not settle in time (a hung
+        peer over TCP) is released anyway, and :meth:`close` progresses the worker
+        for it before the agent goes."""
         with self._lock:
             if self._closed:
                 return
+            key = id(handle)
+            if key in self._live:
+                self._settle(handle)
+            self._live.pop(key, None)
+            self._descs.pop(key, None)
             try:
                 handle.release()
             except _nixl_errors() as exc:
                 log.warning("NIXL could not release %r on agent %s: %s", handle, self.name, exc)
 
+    def _settle(self, xfer: Any) -> None:
+        """Poll an in-flight READ until it is no longer in flight, bounded (lock held)."""
+        end = time.monotonic() + _SETTLE_S
+        while True:
+            try:
+                state = self._agent.check_xfer_state(xfer)
+            except _nixl_errors():
+                state = "ERR"
+            if state == "ERR":
+                self._live.pop(id(xfer), None)
+                self._drain(self._queued(xfer))
+                return
+            if state != "PROC":
+                return
+            if time.monotonic() > end:
+                log.warning("NIXL agent %s: a READ of %d descriptors released while still "
+                            "in flight after %g s (the peer may be hung)", self.name,
+                            self._descs.get(id(xfer), 1), _SETTLE_S)
+                self._owed += self._descs.get(id(xfer), 1) + _DRAIN_SPARE
+                return
+            time.sleep(0.0002)
+
     def progress(self) -> dict[str, list[bytes]]:
         """Progress the worker once and return new notifications by peer name."""
-        notifs = self._call("progress worker", self._agent.get_new_notifs)
-        return {k.decode() if isinstance(k, bytes) else str(k): list(v)
-                for k, v in notifs.items()}
+        with self._lock:
+            notifs = self._call("progress worker", self._agent.get_new_notifs)
+            out, self._notifs = self._notifs, {}
+        for k, v in notifs.items():
+            out.setdefault(k.decode() if isinstance(k, bytes) else str(k), []).extend(v)
+        return out
 
     # -- lifetime -------------------------------------------------------------------
     @property
@@ -364,11 +471,19 @@ class NixlAgent:
         return self._closed
 
     def close(self) -> None:
-        """Drop the agent. Idempotent. Callers disconnect peers and deregister first."""
+        """Drop the agent. Idempotent. Callers disconnect peers and deregister first.
+
+        READs never released, or released before they settled, are progressed first:
+        the worker must have nothing queued when it is destroyed (class docstring)."""
         with self._lock:
             if self._closed:
                 return
+            owed = self._owed + sum(self._descs.get(i, 1) + _DRAIN_SPARE for i in self._live)
+            if owed:
+                self._drain(owed)
             self._closed = True
+            self._live.clear()
+            self._descs.clear()
             self._agent = None  # the bindings tear the agent down when collected
 
     def __del__(self) -> None:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -19,6 +22,7 @@ from modelexpress.transfer import Manifest, NixlTransferManager
 pytestmark = pytest.mark.nixl
 
 _BOUND_S = 60.0  # every wait below: far above what a loopback READ takes
+_READ_KILLED = pathlib.Path(__file__).with_name("_read_killed_peer.py")
 
 
 def _drain(stream, want: int) -> list[str]:
@@ -109,3 +113,42 @@ def test_a_word_is_posted_and_polled_without_blocking(source_factory) -> None:
         with pytest.raises(PeerError, match="no watermark READ"):
             word.poll()
         assert word.read(_BOUND_S) == got  # the blocking form: the same request again
+
+
+def test_a_read_released_in_flight_lands_before_release_returns(source_factory,
+                                                                  monkeypatch) -> None:
+    """UCX cannot cancel a READ: one released while in flight would go on landing later,
+    into memory its caller may have handed to something else. Releasing one waits for
+    it to settle, so nothing is written after the release returns. Over TCP the source
+    answers from its serving loop, so the READ is still in flight when posting returns
+    (over CMA posting moves it whole)."""
+    tcp = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    src = source_factory({"kinds": ["chunky"]}, env=tcp)
+    for k, v in tcp.items():
+        monkeypatch.setenv(k, v)  # read when the stream's UCX context is created
+    want = layouts.expected(Manifest.from_json(src.manifests["chunky"]))
+    with _stream_of(src) as (stream, local, names):
+        piece = local[names[1]]
+        piece.zero_()
+        stream.post(names[1])
+        assert names[1] in stream.inflight
+        stream.close()
+        after_release = piece.clone()
+        end = time.monotonic() + 1.0  # what a later pull on this agent would progress
+        while time.monotonic() < end:
+            stream.agent.progress()
+            time.sleep(0.001)
+        assert layouts.same_bytes(piece, after_release), "bytes landed after the release"
+        assert layouts.same_bytes(piece, want[names[1]]), "the settled READ landed whole"
+
+
+def test_a_read_failing_with_reads_queued_behind_it_does_not_abort_the_process() -> None:
+    """A READ of 48 descriptors posted to a source just killed: the first fails, the
+    rest stay queued (UCX moves one per progress once nothing succeeds), and a worker
+    destroyed with them queued aborts the process. Without the drain this aborted 5
+    times in 6, so three rounds all but always catch it."""
+    for _ in range(3):
+        child = subprocess.run([sys.executable, str(_READ_KILLED)], stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=180)
+        out = child.stdout + child.stderr
+        assert child.returncode == 0 and "closed" in child.stdout, out[-3000:]
