@@ -404,9 +404,7 @@ class NixlAgent:
                 log.warning("NIXL agent %s: progressing the worker after a failed READ "
                             "failed: %s", self.name, exc)
                 return
-            for k, v in notifs.items():
-                self._notifs.setdefault(k.decode() if isinstance(k, bytes) else str(k),
-                                        []).extend(v)
+            self._keep(notifs)
             if time.monotonic() > end:
                 log.warning("NIXL agent %s: %d progress calls after a failed READ took over "
                             "%g s; stopped", self.name, calls, _DRAIN_S)
@@ -439,13 +437,9 @@ class NixlAgent:
         end = time.monotonic() + _SETTLE_S
         while True:
             try:
-                state = self._agent.check_xfer_state(xfer)
-            except _nixl_errors():
-                state = "ERR"
-            if state == "ERR":
-                self._live.pop(id(xfer), None)
-                self._drain(self._queued(xfer))
-                return
+                state = self._seen(xfer, "settle READ", self._agent.check_xfer_state, "", 0)
+            except TransferError:
+                return  # failed: _seen drained what it left queued
             if state != "PROC":
                 return
             if time.monotonic() > end:
@@ -459,11 +453,15 @@ class NixlAgent:
     def progress(self) -> dict[str, list[bytes]]:
         """Progress the worker once and return new notifications by peer name."""
         with self._lock:
-            notifs = self._call("progress worker", self._agent.get_new_notifs)
+            self._keep(self._call("progress worker", self._agent.get_new_notifs))
             out, self._notifs = self._notifs, {}
-        for k, v in notifs.items():
-            out.setdefault(k.decode() if isinstance(k, bytes) else str(k), []).extend(v)
         return out
+
+    def _keep(self, notifs: dict[Any, list[bytes]]) -> None:
+        """Add NIXL's notifications (peer names may be bytes) to those not yet returned."""
+        for k, v in notifs.items():
+            self._notifs.setdefault(k.decode() if isinstance(k, bytes) else str(k),
+                                    []).extend(v)
 
     # -- lifetime -------------------------------------------------------------------
     @property
