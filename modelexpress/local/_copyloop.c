@@ -10,7 +10,8 @@
  * loop is one call: it releases the GIL, starts its helper threads (pthreads, so no
  * Python thread has to be started or woken), and returns when every piece has ended.
  *
- * run(pieces, streams, left, done, err, digests, hashed, threads, xxh3[, stream_fns])
+ * run(pieces, streams, left, done, err, digests, hashed, threads, xxh3[, stream_fns[,
+ *     interleave]])
  *
  *   pieces   int64[6 * P]: fd, offset, dst, nbytes, flags, stream (-1: none). flags:
  *            FILE (a file read that must not wait for a disk: RWF_NOWAIT; short where
@@ -33,6 +34,9 @@
  *            each range is fed in address order as its pieces land (feed_held), and
  *            its pieces must be consecutive and cover it; `left` is then unused. Not
  *            given, the thread that ends a range's last piece hashes it whole.
+ *   interleave  with stream_fns: take the pieces by their rank in their range (the
+ *            first piece of every range, then the second, ...; see run()), not in the
+ *            order given. Default true; false for the bench's A/B.
  *
  * Nothing raises once the loop starts: a short piece is reported, and the caller
  * reads the rest its own way (which names the failure in its error).
@@ -97,6 +101,7 @@ typedef struct {
 typedef struct {
     const int64_t *pieces;
     Py_ssize_t npieces;
+    const int64_t *order; /* the order pieces are taken in (NULL: as given) */
     const int64_t *streams;
     int64_t *left, *done, *err;
     unsigned char *digests, *hashed;
@@ -266,6 +271,8 @@ work(void *arg)
         int64_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
         if (k >= job->npieces)
             return NULL;
+        if (job->order != NULL)
+            k = job->order[k];
         const int64_t *p = job->pieces + PIECE_WORDS * k;
         int64_t fd = p[0], off = p[1], dst = p[2], n = p[3], flags = p[4], s = p[5];
         int64_t got = 0, error = 0;
@@ -475,9 +482,10 @@ run(PyObject *self, PyObject *args)
     int threads;
     unsigned long long xxh3_addr;
     unsigned long long fa[5] = {0, 0, 0, 0, 0}; /* stream functions: all or none */
-    if (!PyArg_ParseTuple(args, "OOOOOOOiK|(KKKKK):run", &o[0], &o[1], &o[2], &o[3], &o[4],
+    int interleave = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOOOiK|(KKKKK)p:run", &o[0], &o[1], &o[2], &o[3], &o[4],
                           &o[5], &o[6], &threads, &xxh3_addr, &fa[0], &fa[1], &fa[2], &fa[3],
-                          &fa[4]))
+                          &fa[4], &interleave))
         return NULL;
     xxh3_stream_t sfn = {(xxh3_create_fn)(uintptr_t)fa[0], (xxh3_free_fn)(uintptr_t)fa[1],
                          (xxh3_reset_fn)(uintptr_t)fa[2], (xxh3_update_fn)(uintptr_t)fa[3],
@@ -525,13 +533,15 @@ run(PyObject *self, PyObject *args)
     if (threads > np)
         threads = np > 0 ? (int)np : 1;
 
-    job_t job = {pieces, np, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf, v[6].buf,
+    job_t job = {pieces, np, NULL, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf, v[6].buf,
                  (xxh3_fn)(uintptr_t)xxh3_addr, 0, NULL, NULL, NULL, NULL, NULL, NULL};
     memset(job.hashed, 0, (size_t)ns);
     if (streaming && ns > 0) {
         /* Each range's pieces must be consecutive and cover it in address order (how
          * hostcopy cuts them): the in-order feeding walks them so. */
-        size_t words = 4 * (size_t)ns; /* state, feed_next, end, expected next address */
+        /* state, feed_next, end, expected next address (ns each); the take order (np)
+         * and its counts (np + 1) */
+        size_t words = 4 * (size_t)ns + 2 * (size_t)np + 1;
         scratch = calloc(words * 8 + (size_t)ns * sizeof(int) + (size_t)np + 1, 1);
         if (scratch == NULL) {
             PyErr_NoMemory();
@@ -542,7 +552,9 @@ run(PyObject *self, PyObject *args)
         job.feed_next = (int64_t *)scratch + ns; /* each range's first piece, to begin */
         job.end = (int64_t *)scratch + 2 * ns;
         int64_t *at = (int64_t *)scratch + 3 * ns;
-        job.busy = (int *)((int64_t *)scratch + 4 * ns);
+        int64_t *order = (int64_t *)scratch + 4 * ns;
+        int64_t *counts = order + np;
+        job.busy = (int *)((int64_t *)scratch + words);
         job.landed = (unsigned char *)(job.busy + ns);
         const int64_t *st = job.streams;
         for (Py_ssize_t r = 0; r < ns; r++) {
@@ -580,6 +592,33 @@ run(PyObject *self, PyObject *args)
                 goto out;
             }
         }
+        if (interleave) {
+            /* Taken by rank (a piece's place among its range's pieces; 0 for a piece of
+             * none), in address order within a rank: the first piece of every range,
+             * then the second of each, ... In address order the pieces of one range
+             * were taken at once by as many threads, and the thread that held it then
+             * fed the rest of it alone, read back from the shared cache, while the
+             * others went on copying: on the 16-core host the last ranges so hashed
+             * formed a tail after the copy. By rank, a range's pieces land one after
+             * another across the copy, most of them taken while the range is free
+             * (read and fed at once, in the core's cache), and at the end each range
+             * has at most its last pieces to feed. */
+            for (Py_ssize_t k = 0; k < np; k++) {
+                int64_t r = pieces[PIECE_WORDS * k + 5];
+                counts[r < 0 ? 0 : k - job.feed_next[r]]++;
+            }
+            int64_t sum = 0;
+            for (Py_ssize_t i = 0; i <= np; i++) { /* counts -> each rank's first slot */
+                int64_t c = counts[i];
+                counts[i] = sum;
+                sum += c;
+            }
+            for (Py_ssize_t k = 0; k < np; k++) {
+                int64_t r = pieces[PIECE_WORDS * k + 5];
+                order[counts[r < 0 ? 0 : k - job.feed_next[r]]++] = k;
+            }
+            job.order = order;
+        }
         /* ORDER: the states are made only once the pieces passed (a refusal above has
          * none to free). */
         for (Py_ssize_t r = 0; r < ns; r++) {
@@ -616,9 +655,10 @@ out:
 
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS,
-     "run(pieces, streams, left, done, err, digests, hashed, threads, xxh3[, stream_fns]): "
-     "read every piece on `threads` threads without the GIL, hashing each stream (in "
-     "order as its pieces land, with stream_fns; else whole once its last piece landed)."},
+     "run(pieces, streams, left, done, err, digests, hashed, threads, xxh3[, stream_fns[, "
+     "interleave]]): read every piece on `threads` threads without the GIL, hashing each "
+     "stream (in order as its pieces land, with stream_fns, taken by rank where interleave; "
+     "else whole once its last piece landed)."},
     {NULL, NULL, 0, NULL},
 };
 

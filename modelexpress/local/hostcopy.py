@@ -42,9 +42,12 @@ spent about twice as long copying as plain reads of the same bytes (docs/benchma
   bytes are in its core's cache. Hashing each range whole once its last piece had
   landed cost a tail of whole 8 MiB blocks read back from the shared cache (on the
   16-core host a verified 70 MB pull into touched memory spent 1.6 ms hashing over a
-  2.1 ms copy; 1.1 ms fed in order). Where the package exports no streaming functions
-  the C loop still hashes ranges whole. A range a chunk end cuts is fed to its Python
-  hasher as above.
+  2.1 ms copy; 1.1 ms fed in order). Its threads take the pieces of such ranges by
+  rank (every range's first piece, then every range's second, ...: ``INTERLEAVE``),
+  so that a range's pieces land one after another across the copy, not all at once
+  with one thread left to feed the rest. Where the package exports no streaming
+  functions the C loop still hashes ranges whole. A range a chunk end cuts is fed to
+  its Python hasher as above.
 * :class:`DigestsAlongside` (the others, e.g. ``wsum-i32-v1`` of a GPU source): each
   tensor's digest as soon as its last byte has landed, on its own threads, while the
   next chunks are copied::
@@ -128,6 +131,11 @@ _prefault_ok = True  # cleared where the kernel does not know MADV_POPULATE_WRIT
 # the GIL) where it is built; False runs the same pieces in Python threads
 # (bench/local.py --host measures both: its *_pyloop rows; tests/local/_peers.py).
 NATIVE = _copyloop is not None
+# Whether the C loop takes the pieces of ranges it feeds in order by their rank in the
+# range (the first piece of each range, then the second, ...) rather than in address
+# order: fewer pieces fed from the shared cache at the end (_copyloop.c, run()). False
+# only for an A/B of the two in one run.
+INTERLEAVE = True
 _FILE, _PREFAULT = 1, 2  # _copyloop's piece flags
 
 
@@ -373,7 +381,7 @@ class HostCopier:
         if streams and _xxh3_stream_functions() is not None:
             # each range fed in order as its pieces land (while they are in the cache)
             _copyloop.run(flat, ranges, left, done, err, digests, hashed, workers,
-                          _xxh3_address(), _xxh3_stream_functions())
+                          _xxh3_address(), _xxh3_stream_functions(), INTERLEAVE)
         else:
             _copyloop.run(flat, ranges, left, done, err, digests, hashed, workers,
                           _xxh3_address() if streams else 0)

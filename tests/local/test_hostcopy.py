@@ -367,7 +367,8 @@ def test_the_c_loop_refuses_buffers_of_the_wrong_shape_naming_the_argument():
         os.close(fd)
 
 
-def _run_c_loop(pieces, streams, threads, stream_fns):  # type: ignore[no-untyped-def]
+def _run_c_loop(pieces, streams, threads, stream_fns,  # type: ignore[no-untyped-def]
+                interleave=True):
     """``_copyloop.run`` on plain lists; (done, err, digests, hashed)."""
     import array
 
@@ -379,17 +380,21 @@ def _run_c_loop(pieces, streams, threads, stream_fns):  # type: ignore[no-untype
             left[pieces[6 * k + 5]] += 1
     done, err = array.array("q", [0] * np_), array.array("q", [0] * np_)
     digests, hashed = bytearray(16 * ns), bytearray(ns)
-    extra = (stream_fns,) if stream_fns is not None else ()
+    extra = (stream_fns, interleave) if stream_fns is not None else ()
     _copyloop.run(array.array("q", pieces), array.array("q", streams), left, done, err,
                   digests, hashed, threads, hostcopy._xxh3_address(), *extra)
     return done, err, digests, hashed
 
 
-@pytest.mark.parametrize("fed", [True, False], ids=["fed-in-order", "hashed-whole"])
-def test_the_c_loop_digests_every_range_from_pieces_landing_on_many_threads(seed, fed):
+@pytest.mark.parametrize("fed,interleave", [(True, True), (True, False), (False, False)],
+                         ids=["fed-taken-by-rank", "fed-taken-in-address-order",
+                              "hashed-whole"])
+def test_the_c_loop_digests_every_range_from_pieces_landing_on_many_threads(seed, fed,
+                                                                           interleave):
     """Ranges cut into many small pieces (4 KiB up to 300 KiB, odd sizes) read on 8
     threads: with the stream functions each range is fed in address order as its pieces
-    land on any thread, without them hashed whole at its end; either way every range's
+    land on any thread (the pieces taken by their rank in their range, the default, or
+    in address order), without them hashed whole at its end; either way every range's
     digest is the xxhash package's of its bytes, over rounds that race differently. A
     range with a piece that is not read here (fd -1: a page-cache miss, say) gets no
     digest (hashed 0: the caller hashes it), and the others are not held up by it."""
@@ -423,7 +428,7 @@ def test_the_c_loop_digests_every_range_from_pieces_landing_on_many_threads(seed
                     pos += take
                 off += n
             done, err, digests, hashed = _run_c_loop(pieces, streams, 8,
-                                                     fns if fed else None)
+                                                     fns if fed else None, interleave)
             off = 0
             for s, n in enumerate(sizes):
                 want = xxhash.xxh3_128(bytes(src[off:off + n].numpy())).digest()
