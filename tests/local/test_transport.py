@@ -155,16 +155,33 @@ def test_a_wrong_digest_raises_integrity_error_naming_the_tensor(make_source):
         pull(endpoint, bad, _dst(manifest))
 
 
-def test_a_shape_mismatch_fails_before_connecting(make_source):
+def test_a_shape_mismatch_fails_before_any_copy_and_leaves_no_descriptor(make_source, tmp_path):
+    """The pull says hello before it matches the manifest (the source answers
+    meanwhile): a mismatch still fails it with ManifestMismatchError before a byte is
+    copied, closes that connection (no descriptor left in either process: the
+    segments the source sent meanwhile included), and is what a pull from a source
+    that is gone reports too (the caller's error first)."""
     src = make_source(mib=4)
     endpoint, manifest = _parts(src)
     dst = _dst(manifest)
     name = manifest.tensors[0].name
-    dst[name] = torch.empty(dst[name].numel() + 1, dtype=dst[name].dtype)
-    before = src.info  # no connection is made: the source's counters are not reachable here,
-    with pytest.raises(ManifestMismatchError):  # but the error must come before any copy
+    dst[name] = torch.zeros(dst[name].numel() + 1, dtype=dst[name].dtype)
+    src_fds, my_fds = src.fds(), fd_count()
+    with pytest.raises(ManifestMismatchError, match=name.replace(".", r"\.")) as failed:
         pull(endpoint, manifest, dst)
-    assert before is src.info
+    assert fd_count() == my_fds, "a connection is left open (its frame kept by the traceback)"
+    del failed
+    assert src.fds_settle(src_fds) == src_fds
+    assert not any(t.view(torch.uint8).any() for t in dst.values())  # nothing copied
+    gone = LocalEndpoint.from_json({**endpoint.to_json(), "path": str(tmp_path / "gone.sock")})
+    with pytest.raises(ManifestMismatchError):
+        pull(gone, manifest, dst)
+    with pytest.raises(PeerError, match="not listening"):
+        pull(gone, manifest, _dst(manifest))
+    assert fd_count() == my_fds
+    good = _dst(manifest)
+    pull(endpoint, manifest, good)  # the source serves on
+    assert _equal(src.seed, src.mib, good)
 
 
 def _target(path: str, *prefix: str, token: str = "") -> subprocess.Popen:

@@ -104,6 +104,51 @@ def test_a_peer_beyond_max_peers_is_refused_as_busy_and_the_first_still_works(se
     assert all(torch.equal(dst[k], tensors[k]) for k in tensors)
 
 
+def test_a_hello_holds_its_connection_for_one_session_and_keeps_a_failure_for_take(served,
+                                                                                  tmp_path):
+    """``Hello`` connects and says hello at once; the session made with it reads the
+    answer later, and takes the connection (a second session with it is refused, not
+    a second connection). A failed connect is raised by ``take``, not by ``Hello``, and
+    closing an untaken hello frees its slot on the source."""
+    from modelexpress.local import LocalSession
+    from modelexpress.local.client import Hello
+    src, manifest, tensors = served
+    fds = fd_count()  # the source's too: it runs in this process
+    hello = Hello(src.endpoint, timeout_s=5)
+    with LocalSession(src.endpoint, hello=hello) as session:
+        assert session.alive() and session.host_map is not None
+        with pytest.raises(ValueError, match="taken"):
+            LocalSession(src.endpoint, hello=hello)
+    hello.close()  # taken: nothing left to close
+    deadline = time.monotonic() + 5  # the session's slot is free once the source read its bye
+    while src.active_peers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    untaken = Hello(src.endpoint, timeout_s=5)
+    deadline = time.monotonic() + 5
+    while src.active_peers == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert src.active_peers == 1  # max_peers=1: this hello holds the only slot
+    untaken.close()
+    untaken.close()  # idempotent
+    deadline = time.monotonic() + 5
+    while src.active_peers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert src.active_peers == 0
+    gone = LocalEndpoint.from_json({**src.endpoint.to_json(), "path": str(tmp_path / "no.sock")})
+    failed = Hello(gone, timeout_s=5)  # no raise here
+    with pytest.raises(PeerError, match="not listening"):
+        failed.take()
+    with pytest.raises(PeerError, match="not listening"):
+        LocalSession(gone, hello=failed)
+    dst = {k: torch.empty_like(v) for k, v in tensors.items()}
+    pull(src.endpoint, manifest, dst)
+    assert all(torch.equal(dst[k], tensors[k]) for k in tensors)
+    deadline = time.monotonic() + 5  # the source closes its side once it read the bye
+    while (src.active_peers or fd_count() != fds) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fd_count() == fds
+
+
 def test_peer_threads_serve_one_peer_after_another_and_close_with_the_source(tmp_path):
     """A source keeps the thread that served a peer for the next one (a connection does
     not wait for a thread to start); concurrent peers get a thread each; close ends them."""
