@@ -137,10 +137,11 @@ def match(manifest: Manifest, local: Mapping[str, torch.Tensor], *,
             problems.append(f"{entry.name}: local tensor is not contiguous")
             continue
         mine = tensor_entry(entry.name, tensor)
-        diffs = [f"{what} source={a} local={b}" for what, a, b in (
-            ("dtype", entry.dtype, mine.dtype), ("shape", list(entry.shape), list(mine.shape)),
-            ("nbytes", entry.nbytes, mine.nbytes)) if a != b]
-        if diffs:
+        if (mine.dtype != entry.dtype or mine.nbytes != entry.nbytes
+                or mine.shape != tuple(entry.shape)):
+            diffs = [f"{what} source={a} local={b}" for what, a, b in (
+                ("dtype", entry.dtype, mine.dtype), ("shape", list(entry.shape), list(mine.shape)),
+                ("nbytes", entry.nbytes, mine.nbytes)) if a != b]
             problems.append(f"{entry.name}: " + ", ".join(diffs))
             continue
         pairs.append(Pair(entry.name, mine, entry))
