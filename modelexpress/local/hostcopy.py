@@ -365,7 +365,6 @@ class HostCopier:
             [st for st, n in covered.items() if n == st.nbytes and st.untouched()])}
         streams = list(index)
         flat, left = array.array("q"), array.array("q", [0] * len(streams))
-        files = []
         read_source = self.mapping.read_source
         for seg, off, dst, n, stream in pieces:
             src = read_source(seg, off, n)
@@ -373,31 +372,24 @@ class HostCopier:
             s = index.get(stream, -1) if stream is not None else -1
             if s >= 0:
                 left[s] += 1
-            files.append(from_file)
             flat.extend((fd, at, dst, n, _FILE if from_file else _PREFAULT, s))
         ranges = array.array("q", [v for st in streams for v in (st.base, st.nbytes)])
         done, err = array.array("q", [0] * len(pieces)), array.array("q", [0] * len(pieces))
         digests, hashed = bytearray(16 * len(streams)), bytearray(len(streams))
         if streams and _xxh3_stream_functions() is not None:
             # each range fed in order as its pieces land (while they are in the cache)
-            _copyloop.run(flat, ranges, left, done, err, digests, hashed, workers,
-                          _xxh3_address(), _xxh3_stream_functions(), INTERLEAVE)
+            short, from_files, misses = _copyloop.run(
+                flat, ranges, left, done, err, digests, hashed, workers, _xxh3_address(),
+                _xxh3_stream_functions(), INTERLEAVE)
         else:
-            _copyloop.run(flat, ranges, left, done, err, digests, hashed, workers,
-                          _xxh3_address() if streams else 0)
-
-        from_files = misses = 0
-        rest = []
-        for (seg, off, dst, n, _), got, from_file, e in zip(pieces, done, files, err):
-            if from_file:
-                from_files += got
-                # A file piece left short with no error: the page cache did not hold the rest.
-                misses += got < n and not e
-            if got < n:
-                rest.append((seg, off + got, dst + got, n - got, None))
+            short, from_files, misses = _copyloop.run(
+                flat, ranges, left, done, err, digests, hashed, workers,
+                _xxh3_address() if streams else 0)
         if from_files or misses:
             self.mapping.count_file_bytes(from_files, misses)
-        if rest:
+        if short:
+            rest = [(seg, off + got, dst + got, n - got, None)
+                    for (seg, off, dst, n, _), got in zip(pieces, done) if got < n]
             log.debug("%d of %d pieces left short by the C loop (page-cache misses or "
                       "read errors, errno %s): read the rest in Python", len(rest),
                       len(pieces), sorted({e for e in err if e}))

@@ -381,8 +381,13 @@ def _run_c_loop(pieces, streams, threads, stream_fns,  # type: ignore[no-untyped
     done, err = array.array("q", [0] * np_), array.array("q", [0] * np_)
     digests, hashed = bytearray(16 * ns), bytearray(ns)
     extra = (stream_fns, interleave) if stream_fns is not None else ()
-    _copyloop.run(array.array("q", pieces), array.array("q", streams), left, done, err,
-                  digests, hashed, threads, hostcopy._xxh3_address(), *extra)
+    summary = _copyloop.run(array.array("q", pieces), array.array("q", streams), left, done,
+                            err, digests, hashed, threads, hostcopy._xxh3_address(), *extra)
+    # what it says is left to do: the pieces left short; bytes and misses of file pieces
+    short = [k for k in range(np_) if done[k] < pieces[6 * k + 3]]
+    files = [k for k in range(np_) if pieces[6 * k + 4] & hostcopy._FILE]
+    assert summary == (len(short), sum(done[k] for k in files),
+                       sum(1 for k in files if k in short and not err[k]))
     return done, err, digests, hashed
 
 
