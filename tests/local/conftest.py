@@ -63,6 +63,10 @@ class SourceProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        # A source a test killed keeps its stdin pipe open here until the Popen is
+        # collected, which a test's traceback (a closure over this) may delay into the
+        # next test, whose descriptor count then drops by one.
+        self.proc.stdin.close()  # type: ignore[union-attr]
 
 
 @pytest.fixture
