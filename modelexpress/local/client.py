@@ -571,7 +571,7 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
                 break
     finally:
         t_close = time.monotonic()
-        hello.close()  # (taken by the session: nothing to close; a stand-in's is closed)
+        hello.close()  # a no-op once the session took it
         session.close()
         phases["close"] = time.monotonic() - t_close
         resume_builds()
