@@ -112,6 +112,41 @@ def _peer(endpoint: LocalEndpoint) -> str:
     return f"local source {endpoint.source_id} ({endpoint.path})"
 
 
+def _say_hello(endpoint: LocalEndpoint, timeout_s: float, files: bool) -> socket.socket:
+    """A socket connected to the source, the hello sent on it (closed on failure).
+
+    Raises:
+        PeerError: the source is not listening, or the connection failed.
+        TransferTimeoutError: connecting took longer than ``timeout_s``.
+    """
+    peer = _peer(endpoint)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(endpoint.path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise PeerError(f"{peer} is not listening ({exc}); it exited or runs on "
+                            "another node") from exc
+        try:
+            protocol.send(sock, {"op": "hello", "v": protocol.VERSION,
+                                 "source_id": endpoint.source_id, "token": endpoint.token,
+                                 "accepts": ["file"] if files else []})
+        except (BrokenPipeError, ConnectionResetError):
+            # A source that refuses at once (busy) may close before our hello; its
+            # refusal is still queued on the socket.
+            pass
+    except BaseException as exc:
+        sock.close()
+        if isinstance(exc, TimeoutError):
+            raise TransferTimeoutError(f"{peer} did not answer within {timeout_s:.0f} s") \
+                from exc
+        if isinstance(exc, OSError):
+            raise PeerError(f"{peer}: {exc}") from exc
+        raise
+    return sock
+
+
 class Hello:
     """The first half of a :class:`LocalSession`: connected to the source, hello sent.
 
@@ -131,43 +166,11 @@ class Hello:
                  files: bool = True) -> None:
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
-        self._error: BaseException | None = None
-        peer = _peer(endpoint)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._error: PeerError | TransferTimeoutError | None = None
         try:
-            sock.settimeout(timeout_s)
-            try:
-                sock.connect(endpoint.path)
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                raise PeerError(f"{peer} is not listening ({exc}); it exited or runs on "
-                                "another node") from exc
-            try:
-                protocol.send(sock, {"op": "hello", "v": protocol.VERSION,
-                                     "source_id": endpoint.source_id, "token": endpoint.token,
-                                     "accepts": ["file"] if files else []})
-            except (BrokenPipeError, ConnectionResetError):
-                # A source that refuses at once (busy) may close before our hello; its
-                # refusal is still queued on the socket.
-                pass
-        except TimeoutError as exc:
-            sock.close()
-            self._error = TransferTimeoutError(f"{peer} did not answer within "
-                                               f"{timeout_s:.0f} s")
-            self._error.__cause__ = exc
-            return
-        except PeerError as exc:
-            sock.close()
+            self._sock = _say_hello(endpoint, timeout_s, files)
+        except (PeerError, TransferTimeoutError) as exc:
             self._error = exc
-            return
-        except OSError as exc:
-            sock.close()
-            self._error = PeerError(f"{peer}: {exc}")
-            self._error.__cause__ = exc
-            return
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
 
     def take(self) -> socket.socket:
         """The connected socket, now the caller's to close.
@@ -571,7 +574,6 @@ def pull(endpoint: LocalEndpoint, manifest: "Manifest", tensors: Mapping[str, "t
                 break
     finally:
         t_close = time.monotonic()
-        hello.close()  # a no-op once the session took it
         session.close()
         phases["close"] = time.monotonic() - t_close
         resume_builds()
