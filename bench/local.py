@@ -45,7 +45,12 @@ threads (``hostcopy.NATIVE`` off: the loop before the C one, and where it is not
 built); ``c_loop_vs_python_loop`` compares them. ``process_pull_hugeon`` /
 ``_hugeoff`` are the fresh-process pull with ``MX_LOCAL_HUGE_PAGES`` forced on / off
 (``process_pull`` is the default, ``auto``: ``huge_pages_default_used`` says what it
-chose; ``huge_on_vs_off`` compares the two). Ratios are per round (same moment),
+chose; ``huge_on_vs_off`` compares the two). ``pull_warm_otherblocks`` is the pull
+into touched memory against the same source with its digests recomputed in the other
+block size (``xxh3-128-b8m`` where the source published ``xxh3-128-b1m``, and the
+reverse; ``blocks_default_vs_other`` > 1: the default is faster), in alternating order
+with ``pull_warm``; ``pull_warm_unverified`` the same pull with ``verify=False`` (what
+hashing costs). Ratios are per round (same moment),
 medians reported, and from each
 measurement's best round (``best_ratios``: what the machine does when nothing else
 runs, on a shared CI machine the steadier figure). Cases ``1gib``
@@ -382,6 +387,24 @@ def _variant(endpoint: Any, manifest: Any, dest: dict[str, Any], how: str) -> fl
     return time.perf_counter() - t0
 
 
+def _other_blocks(manifest: Any, ckpt: str) -> Any:
+    """``manifest`` with its digests in the other block size of the block-wise xxh3
+    digest (computed from the checkpoint's bytes: what the source serves); None where
+    the manifest's digest has no blocks."""
+    import dataclasses
+
+    from modelexpress.checkpoint import load_checkpoint
+    from modelexpress.transfer import digest
+    other = {digest.XXH3_BLOCKS: digest.XXH3_BLOCKS_1M,
+             digest.XXH3_BLOCKS_1M: digest.XXH3_BLOCKS}.get(manifest.digest_algorithm)
+    if other is None:
+        return None
+    ref = load_checkpoint(ckpt)
+    values = digest.digest_many([ref[t.name] for t in manifest.tensors], other)
+    return dataclasses.replace(manifest, digest_algorithm=other, tensors=tuple(
+        dataclasses.replace(t, digest=v) for t, v in zip(manifest.tensors, values)))
+
+
 def _populate(addr: int, nbytes: int, huge: bool) -> None:
     from modelexpress.local import hostcopy
     if huge:
@@ -488,18 +511,20 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             t.view(-1).view(torch.uint8).fill_(0)
         time_disk_load(ckpt, cold=False)  # the page cache holds the checkpoint from here on
         native = hostcopy.NATIVE
+        manifest_other = _other_blocks(manifest, ckpt)
         keys = ("memcpy_warm", "memcpy_fresh", "memcpy_fresh_populated", "memcpy_fresh_huge",
                 "pull_fresh", "pull_warm", "pull_fresh_memfd", "pull_warm_memfd", "disk_warm",
                 "mapped_torch", "pread_1", "pread_n", "process_disk", "process_pull",
                 "process_pull_memfd", "pull_fresh_pyloop", "pull_warm_pyloop",
-                "process_pull_pyloop", "process_pull_hugeon", "process_pull_hugeoff")
+                "process_pull_pyloop", "process_pull_hugeon", "process_pull_hugeoff",
+                "pull_warm_otherblocks", "pull_warm_unverified")
         times: dict[str, list[float]] = {k: [] for k in keys}
         phases_fresh: list[dict[str, float]] = []
         phases_warm: list[dict[str, float]] = []
         phases_process: list[dict[str, float]] = []
         huge_used: list[bool] = []  # whether each default fresh-process pull used huge pages
         page_cache: list[float] = []  # fraction of the pull's bytes read from the page cache
-        for _ in range(rounds):
+        for rnd in range(rounds):
             _settle()
             t0 = time.perf_counter()
             dst.copy_(src)
@@ -527,11 +552,22 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             times["pull_fresh"].append(r.seconds)
             phases_fresh.append(r.phases)
             del dest
+            # Into touched memory: as published, and (alternating which goes first) the
+            # digests in the other block size, then unverified.
+            rows = [("pull_warm", manifest), ("pull_warm_otherblocks", manifest_other)]
+            for key, m in rows if rnd % 2 == 0 or manifest_other is None else rows[::-1]:
+                if m is None:
+                    continue
+                _settle()
+                r = pull(endpoint, m, warm_dest, verify=True)
+                assert r.verified == len(manifest.tensors), r
+                times[key].append(r.seconds)
+                if key == "pull_warm":
+                    phases_warm.append(r.phases)
+                    page_cache.append(r.page_cache_bytes / total)
             _settle()
-            r = pull(endpoint, manifest, warm_dest, verify=True)
-            times["pull_warm"].append(r.seconds)
-            phases_warm.append(r.phases)
-            page_cache.append(r.page_cache_bytes / total)
+            times["pull_warm_unverified"].append(
+                pull(endpoint, manifest, warm_dest, verify=False).seconds)
             # The same two pulls with the pieces in Python threads (hostcopy.NATIVE off:
             # the loop before the C one, and where it is not built).
             hostcopy.NATIVE = False
@@ -573,7 +609,9 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
                     phases_process.append({"allocate": got["allocate"], **got["phases"]})
                     huge_used.append(got["huge_pages"])
 
-        def ratio(num: str, den: str) -> float:  # den time / num time, per round: GB/s ratio
+        def ratio(num: str, den: str) -> float | None:  # den / num time, per round: GB/s ratio
+            if not times[num] or not times[den]:
+                return None  # a row not run (no other block size for this digest)
             return round(_median([b / a for a, b in zip(times[num], times[den])]), 3)
 
         def best_ratio(num: str, den: str) -> float:  # the same from each one's best round
@@ -584,8 +622,8 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             "fresh_rounds": fresh_rounds,
             "loadavg": os.getloadavg(),
             "copy_threads": copy_threads(), "digest": manifest.digest_algorithm,
-            "median_s": {k: round(_median(v), 4) for k, v in times.items()},
-            "gbps": {k: round(total / _median(v) / 1e9, 2) for k, v in times.items()},
+            "median_s": {k: round(_median(v), 4) for k, v in times.items() if v},
+            "gbps": {k: round(total / _median(v) / 1e9, 2) for k, v in times.items() if v},
             "pull_warm_vs_memcpy_warm": ratio("pull_warm", "memcpy_warm"),
             "pull_fresh_vs_memcpy_fresh": ratio("pull_fresh", "memcpy_fresh"),
             "pull_fresh_vs_memcpy_warm": ratio("pull_fresh", "memcpy_warm"),
@@ -601,6 +639,13 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             "process_pull_hugeoff_vs_process_disk": ratio("process_pull_hugeoff",
                                                           "process_disk"),
             "huge_on_vs_off": ratio("process_pull_hugeon", "process_pull_hugeoff"),
+            # The digest's block size (>1: the published one is faster) and no digests.
+            "digest_other_blocks": manifest_other and manifest_other.digest_algorithm,
+            "blocks_default_vs_other": ratio("pull_warm", "pull_warm_otherblocks"),
+            "pull_warm_otherblocks_vs_memcpy_warm": ratio("pull_warm_otherblocks",
+                                                          "memcpy_warm"),
+            "pull_warm_unverified_vs_memcpy_warm": ratio("pull_warm_unverified",
+                                                         "memcpy_warm"),
             # The C piece loop against the Python one (>1: the C loop is faster).
             "c_loop_vs_python_loop": {
                 "pull_fresh": ratio("pull_fresh", "pull_fresh_pyloop"),
@@ -610,7 +655,7 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
             "strategies_vs_memcpy_warm": {k: ratio(k, "memcpy_warm") for k in
                                           ("mapped_torch", "pread_1", "pread_n",
                                            "pull_warm_memfd", "pull_warm")},
-            "best_s": {k: round(min(v), 4) for k, v in times.items()},
+            "best_s": {k: round(min(v), 4) for k, v in times.items() if v},
             "best_ratios": {
                 "pull_warm_vs_memcpy_warm": best_ratio("pull_warm", "memcpy_warm"),
                 "pull_fresh_vs_memcpy_fresh": best_ratio("pull_fresh", "memcpy_fresh"),
@@ -662,6 +707,9 @@ def host_main(args: argparse.Namespace) -> None:
                   f"page cache share {r['page_cache_fraction_median']} | "
                   f"fresh-process pull phases {r['phases_process_pull_median']} | "
                   f"C loop / Python loop {r['c_loop_vs_python_loop']} | "
+                  f"into touched: {r['digest']} / {r['digest_other_blocks']} "
+                  f"{r['blocks_default_vs_other']}, unverified / memcpy warm "
+                  f"{r['pull_warm_unverified_vs_memcpy_warm']} | "
                   f"strategies / memcpy warm "
                   f"{r['strategies_vs_memcpy_warm']} | best-round ratios {r['best_ratios']} | "
                   f"phases fresh {r['phases_fresh_median']}",
@@ -861,7 +909,8 @@ def main() -> None:
     p.add_argument("--cases", default="1gib,70mb", help="--host: checkpoints to pull")
     p.add_argument("--rounds", type=int, default=5, help="--host: interleaved rounds")
     p.add_argument("--digest", default="", help="--host: the source's digest algorithm "
-                   "(default: the library's, xxh3-128-b8m; xxh3-128 hashes each tensor whole)")
+                   "(default: the library's, xxh3-128-b1m under 512 MiB, else xxh3-128-b8m; "
+                   "xxh3-128 hashes each tensor whole)")
     p.add_argument("--fresh-rounds", type=int, default=3,
                    help="--host: rounds of the fresh-process load and pulls")
     p.add_argument("--gpu-first", action="store_true", help="GPU: first vs later pull")

@@ -28,12 +28,13 @@ spent about twice as long copying as plain reads of the same bytes (docs/benchma
     piece k of tensor T lands ─> T's next byte?  yes: hash k, k+1, ... (all landed)
                                                  no:  leave it for T's hasher
 
-  With ``xxh3-128-b8m`` (the default digest of host tensors) each 8 MiB block of a
-  tensor has a hasher of its own and the pieces are cut at block boundaries, so a
-  piece is a block or part of one (a chunk ends inside it, or a small copy is cut
-  finer: ``_piece_bytes``): the thread that lands it hashes it when it is
-  the block's next, and a large tensor is hashed on every thread, not on one after the
-  copy.
+  With a block-wise digest (``xxh3-128-b8m`` or, for models under 512 MiB,
+  ``xxh3-128-b1m``: the defaults for host tensors) each block of a tensor has a hasher
+  of its own and the pieces are cut at block boundaries, so a piece is a block or part
+  of one (a chunk ends inside it, or a copy is cut finer than 8 MiB: ``_piece_bytes``):
+  the thread that lands it hashes it when it is the block's next, and a large tensor
+  is hashed on every thread, not on one after the copy. With 1 MiB blocks (the
+  smallest piece) every piece of a small model's copy is a whole block.
   (``bench/local.py --host``; docs/benchmarks.md, "Local transport on host memory").
   The C loop takes the same digests in C, for each range (block) whose pieces all land
   in one copy, with the ``xxhash`` package's own streaming XXH3 (one state per range):
@@ -101,8 +102,9 @@ log = logging.getLogger(__name__)
 # tensor spreads over every thread; smaller copies are pieces of their own. In the
 # Python loop a piece costs some GIL-held Python that every thread shares, so pieces
 # stay this large where they can (a 1 GiB pull was slower in smaller ones on the
-# 16-core host; docs/benchmarks.md). The blocks of the default digest (xxh3-128-b8m)
-# are as large, so a piece of a large copy is one of its blocks.
+# 16-core host; docs/benchmarks.md). The blocks of a large model's default digest
+# (xxh3-128-b8m) are as large, so a piece of a large copy is one of its blocks; a model
+# small enough for finer pieces has 1 MiB blocks (xxh3-128-b1m: digest.FINE_BELOW).
 _PIECE_BYTES = 8 << 20
 # A copy too small to give each thread several pieces of _PIECE_BYTES is cut finer,
 # down to this, where the pieces are cheap (the C loop) or the destination is new
@@ -493,8 +495,8 @@ _Piece = tuple[int, int, int, int, "_Stream | None"]
 
 class DigestsInPass:
     """Streaming hashers that the copy threads feed while copying: one per tensor, or,
-    for a block-wise digest (``xxh3-128-b8m``), one per block of each tensor, so that
-    the blocks of one large tensor are hashed on several threads at once.
+    for a block-wise digest (``xxh3-128-b8m``, ``xxh3-128-b1m``), one per block of each
+    tensor, so that the blocks of one large tensor are hashed on several threads at once.
 
     Args:
         algorithm: the manifest's digest algorithm (it must have a
@@ -508,15 +510,15 @@ class DigestsInPass:
 
     def __init__(self, algorithm: str, order: Sequence[Any],
                  tensors: Mapping[str, "torch.Tensor"], peer: str) -> None:
-        from modelexpress.transfer.digest import XXH3, XXH3_BLOCKS, block_bytes, hasher
+        from modelexpress.transfer.digest import XXH3, block_bytes, hasher
         self.algorithm, self.peer = algorithm, peer
 
         def new_hasher() -> Any:
             return hasher(algorithm)
 
+        block = block_bytes(algorithm)  # only the block-wise xxh3 digests have blocks
         # Each range's digest is the xxh3-128 of its bytes: the C loop can take it.
-        self.xxh3 = algorithm in (XXH3, XXH3_BLOCKS)
-        block = block_bytes(algorithm)
+        self.xxh3 = algorithm == XXH3 or block is not None
         # (name, expected digest, bytes, its streams in byte order)
         self._tensors: list[tuple[str, str, int, list[_Stream]]] = []
         self._streams: list[_Stream] = []

@@ -2,24 +2,31 @@
 
 Four algorithms, named in the manifest so that source and target agree:
 
-``xxh3-128-b8m`` (the default for CPU tensors)
-    ``xxh3-128`` of each 8 MiB block of the tensor's bytes (from its first byte; the
-    last block may be shorter), then, for a tensor of more than one block, ``xxh3-128``
-    of the blocks' 16-byte digests one after the other; a tensor of one block (8 MiB
-    or less) has its plain ``xxh3-128``. Why blocks: one hash of a whole tensor runs
-    on one thread, in byte order, and a large tensor's hash was the tail of a
-    many-core pull (a 131 MB embedding hashed at 4-6 GB/s while fifteen threads had
+``xxh3-128-b8m`` and ``xxh3-128-b1m`` (the defaults for CPU tensors)
+    ``xxh3-128`` of each 8 MiB (``b8m``) or 1 MiB (``b1m``) block of the tensor's bytes
+    (from its first byte; the last block may be shorter), then, for a tensor of more
+    than one block, ``xxh3-128`` of the blocks' 16-byte digests one after the other; a
+    tensor of one block has its plain ``xxh3-128``. Why blocks: one hash of a whole
+    tensor runs on one thread, in byte order, and a large tensor's hash was the tail of
+    a many-core pull (a 131 MB embedding hashed at 4-6 GB/s while fifteen threads had
     finished copying; docs/benchmarks.md). Blocks are hashed independently, on any
     thread, as soon as each lands (the local transport's copy threads hash the block
     they just copied, from the CPU's caches), and a source hashes a large tensor on
-    several threads. CPU tensors only, from the ``xxhash`` package.
+    several threads. Why two sizes: a 16-thread copy of less than
+    :data:`FINE_BELOW` bytes is cut into pieces smaller than 8 MiB, so an 8 MiB block
+    was several pieces that one thread after another had to feed to one hash state,
+    in order, partly from the shared cache; with 1 MiB blocks each piece is its own
+    block, hashed by the thread that copied it (a 70 MB pull into touched memory on 16
+    cores; docs/benchmarks.md, "Blocks of 1 MiB"). Above it ``b8m`` keeps a large
+    model's blocks, and its copy's pieces, few. CPU tensors only, from the ``xxhash``
+    package.
 
 ``xxh3-128``
     xxHash's XXH3 128-bit over the tensor's bytes (a zero-copy numpy view), from the
     ``xxhash`` package. 22.6 GB/s here against 0.92 GB/s for blake2b (bench/digest.py): on a
     CPU target the digest check, not the transfer, bounded the pull with blake2b.
     CPU tensors only. A non-cryptographic hash: it guards against transfer faults.
-    Still verified (manifests published before ``xxh3-128-b8m``), no longer the default.
+    Still verified (manifests published before ``xxh3-128-b8m``), no longer a default.
 
 ``blake2b-128``
     :func:`hashlib.blake2b` over the tensor's bytes (a zero-copy numpy view; hashlib
@@ -75,7 +82,8 @@ Four algorithms, named in the manifest so that source and target agree:
     finds the kernel ready. A step already running when a pull starts is not stopped.
     Loading the ``cuda`` kernel is one driver call, made on the pull's own thread.
 
-The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128-b8m``
+The default is ``wsum-i32-v1`` whenever any tensor is on a GPU, else ``xxh3-128-b1m``
+for tensors of less than :data:`FINE_BELOW` bytes in all, ``xxh3-128-b8m`` for more
 (``blake2b-128`` where ``xxhash`` is not installed).
 """
 
@@ -95,8 +103,9 @@ from modelexpress.errors import BackendError, ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALGORITHMS", "BLAKE2B", "BLOCK_BYTES", "IMPLS", "WSUM", "XXH3", "XXH3_BLOCKS",
-           "block_bytes", "combine_blocks", "default_algorithm", "digest", "digest_many",
+__all__ = ["ALGORITHMS", "BLAKE2B", "BLOCK_BYTES", "FINE_BELOW", "IMPLS", "WSUM", "XXH3",
+           "XXH3_BLOCKS", "XXH3_BLOCKS_1M", "block_bytes", "combine_blocks", "combine_digests",
+           "default_algorithm", "digest", "digest_many",
            "can_compute", "forms_used", "hasher", "kernel_form", "kernel_state",
            "pause_builds", "prepare", "resume_builds", "stream_digest", "wait_for_builds",
            "warm_up", "warm_up_for"]
@@ -107,14 +116,20 @@ BLAKE2B = "blake2b-128"
 WSUM = "wsum-i32-v1"
 XXH3 = "xxh3-128"
 XXH3_BLOCKS = "xxh3-128-b8m"
-ALGORITHMS = (BLAKE2B, WSUM, XXH3, XXH3_BLOCKS)
+XXH3_BLOCKS_1M = "xxh3-128-b1m"
+ALGORITHMS = (BLAKE2B, WSUM, XXH3, XXH3_BLOCKS, XXH3_BLOCKS_1M)
 # The blocks of xxh3-128-b8m. Part of the digest's definition: never change it (a new
-# size is a new algorithm name). 8 MiB is also the local transport's copy piece
-# (hostcopy._PIECE_BYTES), so a piece is a block.
+# size is a new algorithm name). 8 MiB is also the local transport's largest copy
+# piece (hostcopy._PIECE_BYTES), so a piece of a large copy is a block.
 BLOCK_BYTES = 8 << 20
+_BLOCKS = {XXH3_BLOCKS: BLOCK_BYTES, XXH3_BLOCKS_1M: 1 << 20}  # the same: never change
+# Below this many bytes in all, CPU tensors default to xxh3-128-b1m. It is where a copy
+# on the local transport's most threads (16) is cut into pieces smaller than 8 MiB:
+# hostcopy._PIECE_BYTES x _threads.MAX_THREADS x hostcopy._PIECES_PER_THREAD.
+FINE_BELOW = 512 << 20
 # digest_many hashes a batch's blocks on several threads from this many bytes on.
 _PARALLEL_BYTES = 32 << 20
-_XXH3_FAMILY = (XXH3, XXH3_BLOCKS)
+_XXH3_FAMILY = (XXH3, XXH3_BLOCKS, XXH3_BLOCKS_1M)
 IMPLS = ("auto", "cuda", "triton", "torch")  # digest_many's impl for wsum-i32-v1
 
 # Words per reduction step: 2**24 int32 words = 64 MiB of input, 128 MiB of int64
@@ -132,10 +147,16 @@ def _xxhash_available() -> bool:
 
 def default_algorithm(tensors: Iterable[torch.Tensor]) -> str:
     """``wsum-i32-v1`` if any tensor is on a GPU (it must be hashed there), else
-    ``xxh3-128-b8m`` (``blake2b-128`` without the xxhash package)."""
-    if any(t.device.type != "cpu" for t in tensors):
-        return WSUM
-    return XXH3_BLOCKS if _xxhash_available() else BLAKE2B
+    ``xxh3-128-b1m`` for less than :data:`FINE_BELOW` bytes in all and ``xxh3-128-b8m``
+    for more (``blake2b-128`` without the xxhash package)."""
+    total = 0
+    for t in tensors:
+        if t.device.type != "cpu":
+            return WSUM
+        total += t.numel() * t.element_size()
+    if not _xxhash_available():
+        return BLAKE2B
+    return XXH3_BLOCKS_1M if total < FINE_BELOW else XXH3_BLOCKS
 
 
 def can_compute(algorithm: str, tensor: torch.Tensor) -> bool:
@@ -171,9 +192,10 @@ def _xxh3(tensor: torch.Tensor) -> str:
     return f"{h.hexdigest()}:{raw.numel()}"
 
 
-def _xxh3_blocks_many(tensors: Sequence[torch.Tensor]) -> list[str]:
-    """``xxh3-128-b8m`` of each tensor; a batch of :data:`_PARALLEL_BYTES` or more is
-    hashed block by block on several threads (``xxhash`` releases the GIL)."""
+def _xxh3_blocks_many(tensors: Sequence[torch.Tensor], block: int) -> list[str]:
+    """The block-wise xxh3 digest (blocks of ``block`` bytes) of each tensor; a batch of
+    :data:`_PARALLEL_BYTES` or more is hashed block by block on several threads
+    (``xxhash`` releases the GIL)."""
     import xxhash
 
     from modelexpress import _threads
@@ -182,7 +204,7 @@ def _xxh3_blocks_many(tensors: Sequence[torch.Tensor]) -> list[str]:
     for t in tensors:
         raw = _flat_bytes(t)
         views.append(memoryview(raw.numpy()) if raw.numel() else memoryview(b""))
-    blocks = [v[a:a + BLOCK_BYTES] for v in views for a in range(0, len(v) or 1, BLOCK_BYTES)]
+    blocks = [v[a:a + block] for v in views for a in range(0, len(v) or 1, block)]
     total = sum(len(v) for v in views)
 
     def one(block: memoryview) -> bytes:
@@ -192,7 +214,7 @@ def _xxh3_blocks_many(tensors: Sequence[torch.Tensor]) -> list[str]:
             else [one(b) for b in blocks])
     out, k = [], 0
     for v in views:
-        n = max(1, -(-len(v) // BLOCK_BYTES))
+        n = max(1, -(-len(v) // block))
         out.append(_combine(done[k:k + n], len(v)))
         k += n
     return out
@@ -208,13 +230,23 @@ def _combine(block_digests: Sequence[bytes], nbytes: int) -> str:
 def block_bytes(algorithm: str) -> int | None:
     """The block size of a block-wise algorithm (each block hashed on its own, by
     :func:`hasher`, then :func:`combine_blocks`), None for one hash per tensor."""
-    return BLOCK_BYTES if algorithm == XXH3_BLOCKS else None
+    return _BLOCKS.get(algorithm)
 
 
 def combine_blocks(hashers: Sequence[object], nbytes: int) -> str:
     """The ``"<hex>:<nbytes>"`` digest of a block-wise algorithm's tensor of ``nbytes``
     bytes from one :func:`hasher` per block, in order, each fed its whole block."""
     return _combine([h.digest() for h in hashers], nbytes)  # type: ignore[attr-defined]
+
+
+def combine_digests(joined: bytes | bytearray | memoryview, nbytes: int) -> str:
+    """:func:`combine_blocks` from the blocks' 16-byte digests one after the other
+    (``joined``; one block's digest: the tensor's own, the plain ``xxh3-128`` of a
+    one-block tensor or of a tensor hashed whole)."""
+    if len(joined) == 16:
+        return f"{bytes(joined).hex()}:{nbytes}"
+    import xxhash
+    return f"{xxhash.xxh3_128(joined).hexdigest()}:{nbytes}"
 
 
 def hasher(algorithm: str):  # noqa: ANN201 - an xxhash / hashlib object, or None
@@ -690,8 +722,8 @@ def digest_many(tensors: Sequence[torch.Tensor], algorithm: str, *,
             f"unknown digest algorithm {algorithm!r}; allowed: {', '.join(ALGORITHMS)}")
     for t in tensors:
         _check_cpu_algorithm(t, algorithm)
-    if algorithm == XXH3_BLOCKS:
-        return _xxh3_blocks_many(tensors)
+    if algorithm in _BLOCKS:
+        return _xxh3_blocks_many(tensors, _BLOCKS[algorithm])
     one = _xxh3 if algorithm == XXH3 else _blake2b
     return [one(t) for t in tensors]
 

@@ -65,14 +65,16 @@ def _copies(mapping: HostMapping, pairs, dst, chunk: int):  # type: ignore[no-un
 
 @pytest.mark.parametrize("native", [False, True], ids=["python-loop", "c-loop"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("algo", [digest.XXH3_BLOCKS, digest.XXH3, digest.BLAKE2B])
+@pytest.mark.parametrize("algo", [digest.XXH3_BLOCKS, digest.XXH3_BLOCKS_1M, digest.XXH3,
+                                  digest.BLAKE2B])
 def test_digests_in_the_copy_pass_equal_the_digests_of_the_landed_bytes(seed, threads, algo,
                                                                          native):
     """Tensors split across chunks, one tensor outweighing the others (its pieces land
     on every thread, in any order, and are hashed in order), tiny and empty tensors, a
     tensor without a digest: every byte lands and every digest is checked. With 4 MiB
     chunks a block of ``xxh3-128-b8m`` is cut in two by a chunk end (its hasher is fed
-    from two copies), and the 19 MiB tensor has three blocks, the last a short one.
+    from two copies), and the 19 MiB tensor has three blocks, the last a short one (20
+    of ``xxh3-128-b1m``, most cut by no chunk end).
     The C loop hashes each xxh3 range that lands whole in one copy itself, and leaves
     those a chunk end cuts to the Python hashers (blake2b: the Python loop runs)."""
     from modelexpress.local.hostcopy import _Digest
@@ -139,7 +141,7 @@ def test_pieces_landing_out_of_order_on_several_threads_are_hashed_in_order(seed
     assert digest.stream_digest(stream.h, stream.fed) == digest.digest(data, algo)
 
 
-@pytest.mark.parametrize("algo", [digest.XXH3_BLOCKS, digest.XXH3])
+@pytest.mark.parametrize("algo", [digest.XXH3_BLOCKS, digest.XXH3_BLOCKS_1M, digest.XXH3])
 def test_a_wrong_digest_is_named_after_a_copy_with_digests_in_the_pass(seed, algo):
     buf, spans = _source([2 << 20, 3 << 20], seed)
     mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
@@ -606,10 +608,11 @@ def test_read_into_refuses_a_range_outside_its_segment_and_after_close():
     buf.close()
 
 
-@pytest.mark.parametrize("algo", [digest.BLAKE2B, digest.WSUM, digest.XXH3])
+@pytest.mark.parametrize("algo", [digest.BLAKE2B, digest.WSUM, digest.XXH3, digest.XXH3_BLOCKS])
 def test_a_pull_verifies_each_digest_algorithm_a_source_may_publish(make_source, algo):
-    """Over the socket from a source process: blake2b and plain xxh3 (hashed in the
-    pass) and wsum (alongside) as well as the default xxh3-128-b8m (the other tests)."""
+    """Over the socket from a source process: blake2b, plain xxh3 and xxh3-128-b8m (the
+    default of a model of 512 MiB or more; hashed in the pass) and wsum (alongside) as
+    well as the default of these small sources, xxh3-128-b1m (the other tests)."""
     src = make_source(mib=8, digest_algorithm=algo)
     endpoint = LocalEndpoint.from_json(src.info["endpoint"])
     manifest = Manifest.from_json(src.info["manifest"])

@@ -92,42 +92,58 @@ def test_a_streaming_hasher_gives_the_digest_of_the_whole_tensor():
     assert digest.hasher(digest.WSUM) is None
 
 
-def test_the_block_digest_is_xxh3_of_each_8_mib_block_then_of_their_digests():
-    """``xxh3-128-b8m`` by its definition, from the xxhash package alone: a tensor of one
-    block has its plain xxh3-128; a larger one the xxh3-128 of its blocks' digests, the
-    last block short. A batch large enough to be hashed on several threads gives the
-    same digests as one tensor at a time, and one changed byte in the middle block
-    changes only its tensor's digest."""
+@pytest.mark.parametrize("algo,b", [(digest.XXH3_BLOCKS, 8 << 20), (digest.XXH3_BLOCKS_1M, 1 << 20)])
+def test_a_block_digest_is_xxh3_of_each_block_then_of_their_digests(algo, b):
+    """``xxh3-128-b8m`` and ``-b1m`` by their definition, from the xxhash package alone:
+    a tensor of one block has its plain xxh3-128; a larger one the xxh3-128 of its
+    blocks' digests, the last block short. A batch large enough to be hashed on several
+    threads gives the same digests as one tensor at a time, and one changed byte in the
+    middle block changes only its tensor's digest."""
     import xxhash
 
-    b = digest.BLOCK_BYTES
+    assert digest.block_bytes(algo) == b
     g = torch.Generator().manual_seed(11)
     big = torch.randint(0, 256, (2 * b + 12345,), dtype=torch.uint8, generator=g)
     small = big[:b].clone()
     raw = big.numpy().tobytes()
     want_big = xxhash.xxh3_128(b"".join(xxhash.xxh3_128(raw[a:a + b]).digest()
                                         for a in range(0, len(raw), b))).hexdigest()
-    assert digest.digest(big, digest.XXH3_BLOCKS) == f"{want_big}:{big.numel()}"
-    assert digest.digest(small, digest.XXH3_BLOCKS) == digest.digest(small, digest.XXH3)
+    assert digest.digest(big, algo) == f"{want_big}:{big.numel()}"
+    assert digest.digest(small, algo) == digest.digest(small, digest.XXH3)
     empty = torch.empty(0, dtype=torch.uint8)
-    assert digest.digest(empty, digest.XXH3_BLOCKS) == digest.digest(empty, digest.XXH3)
-    batch = [big, small, empty] * 3  # 3 x 25 MiB: over the threshold for threads
+    assert digest.digest(empty, algo) == digest.digest(empty, digest.XXH3)
+    batch = [big, small, empty] * -(-digest._PARALLEL_BYTES // (3 * b))  # threads' size
     assert sum(t.numel() for t in batch) >= digest._PARALLEL_BYTES
-    together = digest.digest_many(batch, digest.XXH3_BLOCKS)
-    assert together == [digest.digest(t, digest.XXH3_BLOCKS) for t in batch]
+    together = digest.digest_many(batch, algo)
+    assert together == [digest.digest(t, algo) for t in batch]
     changed = big.clone()
     changed[b + 7] ^= 1
-    got = digest.digest_many([changed, small], digest.XXH3_BLOCKS)
+    got = digest.digest_many([changed, small], algo)
     assert got[0] != together[0] and got[1] == together[1]
     # one hasher per block, combined, as the copy threads of a local pull do
     hs = []
     for a in range(0, big.numel(), b):
-        h = digest.hasher(digest.XXH3_BLOCKS)
+        h = digest.hasher(algo)
         h.update(memoryview(big.numpy())[a:a + b])
         hs.append(h)
     assert digest.combine_blocks(hs, big.numel()) == together[0]
-    assert digest.block_bytes(digest.XXH3_BLOCKS) == b and digest.block_bytes(digest.XXH3) is None
-    assert digest.default_algorithm([small]) == digest.XXH3_BLOCKS
+    assert digest.block_bytes(digest.XXH3) is None
+    # the two block sizes are different digests of the same bytes
+    other = digest.XXH3_BLOCKS if algo == digest.XXH3_BLOCKS_1M else digest.XXH3_BLOCKS_1M
+    assert digest.digest(big, other) != together[0]
+
+
+def test_the_default_digest_of_host_tensors_has_small_blocks_below_512_mib():
+    """1 MiB blocks for a model of less than 512 MiB in all (its 16-thread copy is cut
+    into pieces under 8 MiB), 8 MiB blocks from there on; a GPU tensor anywhere makes
+    it wsum. Expanded tensors: their sizes without the memory."""
+    mib = torch.zeros(1, dtype=torch.uint8).expand(1 << 20)
+    assert digest.default_algorithm([mib]) == digest.XXH3_BLOCKS_1M
+    assert digest.default_algorithm([]) == digest.XXH3_BLOCKS_1M
+    assert digest.default_algorithm([mib] * 511) == digest.XXH3_BLOCKS_1M
+    assert digest.default_algorithm([mib] * 512) == digest.XXH3_BLOCKS
+    wide = torch.zeros(1, dtype=torch.float32).expand(128 << 20)  # 512 MiB of fp32
+    assert digest.default_algorithm([wide]) == digest.XXH3_BLOCKS
 
 
 _GPU_FIRST = r"""
