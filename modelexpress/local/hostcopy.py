@@ -48,7 +48,9 @@ spent about twice as long copying as plain reads of the same bytes (docs/benchma
   so that a range's pieces land one after another across the copy, not all at once
   with one thread left to feed the rest. Where the package exports no streaming
   functions the C loop still hashes ranges whole. A range a chunk end cuts is fed to
-  its Python hasher as above.
+  its Python hasher as above. The C loop is handed every range of the pull and writes
+  each digest it takes into one buffer, by range, so that a tensor's blocks' digests
+  are one slice of it; Python makes a hasher only for a range it feeds itself.
 * :class:`DigestsAlongside` (the others, e.g. ``wsum-i32-v1`` of a GPU source): each
   tensor's digest as soon as its last byte has landed, on its own threads, while the
   next chunks are copied::
@@ -327,15 +329,15 @@ class HostCopier:
         big = max(copies, key=lambda c: c[3], default=None)
         fine = native or (big is not None and not _resident(big[2], big[3]))
         size = _piece_bytes(total, self.threads, fine)
+        if native:
+            self._copy_native(copies, size, in_pass, 1 if total < _INLINE_BYTES else self.threads)
+            return
         if in_pass is not None:
             pieces = in_pass.pieces(copies, size)
         else:
             pieces = [(seg, off + a, dst + a, min(size, n - a), None)
                       for seg, off, dst, n in copies for a in range(0, n, size)]
         workers = 1 if total < _INLINE_BYTES else min(self.threads, len(pieces))
-        if native:
-            self._copy_native(pieces, workers)
-            return
         # The calling thread copies too, the process's worker threads beside it, taking
         # pieces in order from one counter (modelexpress._threads.run_shared): no thread
         # is started, none is woken for a copy the caller does alone, and every piece
@@ -351,79 +353,110 @@ class HostCopier:
         if stream is not None:
             stream.landed(dst, n)
 
-    def _copy_native(self, pieces: "Sequence[_Piece]", workers: int) -> None:
-        """The pieces read by the C loop, without the GIL; each range it hashes whole
-        is done, and whatever it could not finish (a page-cache miss, a read error, a
-        range begun in an earlier chunk) is finished here by :meth:`_one`'s path."""
-        # Ranges the loop hashes: untouched so far and landed whole by this copy. (One
-        # pass per step over the pieces, streams keyed by identity: this Python is part
-        # of every pull's fixed cost, ~0.1 ms for 70 pieces.)
-        covered: dict[_Stream, int] = {}
-        for piece in pieces:
-            stream = piece[4]
-            if stream is not None:
-                covered[stream] = covered.get(stream, 0) + piece[3]
-        index = {st: i for i, st in enumerate(
-            [st for st, n in covered.items() if n == st.nbytes and st.untouched()])}
-        streams = list(index)
-        flat, left = array.array("q"), array.array("q", [0] * len(streams))
+    def _copy_native(self, copies: Sequence[tuple[int, int, int, int]], size: int,
+                     in_pass: "DigestsInPass | None", workers: int) -> None:
+        """The copies cut into pieces and read by the C loop, without the GIL. It hashes
+        every range landed whole by this copy and untouched so far, and whatever it
+        could not finish (a page-cache miss, a read error, a range a chunk end cuts) is
+        finished here by :meth:`_one`'s path.
+
+        One pass over the pieces, which the loop is handed with every range of the
+        pull and its digest buffer (``DigestsInPass``): this Python, per piece, is most
+        of a verified pull's fixed cost on many cores. (numpy for the cutting was
+        slower: its fixed cost per call, from cold caches after the copy before, came
+        to more than the Python for ~90 pieces.)"""
+        flat = array.array("q")
+        put = flat.extend
         read_source = self.mapping.read_source
-        for seg, off, dst, n, stream in pieces:
-            src = read_source(seg, off, n)
-            fd, at, from_file = src if src is not None else (-1, 0, False)
-            s = index.get(stream, -1) if stream is not None else -1
-            if s >= 0:
-                left[s] += 1
-            flat.extend((fd, at, dst, n, _FILE if from_file else _PREFAULT, s))
-        ranges = array.array("q", [v for st in streams for v in (st.base, st.nbytes)])
-        done, err = array.array("q", [0] * len(pieces)), array.array("q", [0] * len(pieces))
-        digests, hashed = bytearray(16 * len(streams)), bytearray(len(streams))
-        if streams and _xxh3_stream_functions() is not None:
+        if in_pass is not None:
+            starts, ends, ids = in_pass.sorted_ranges()
+        else:
+            starts = ends = ids = []
+        m = len(starts)
+        left = array.array("q", bytes(8 * len(in_pass.sizes))) if in_pass is not None else None
+        partial = []  # ranges a copy starts or ends inside of: fed in Python
+        for seg, off, dst, n in copies:
+            where = read_source(seg, off, n)
+            fd, at, from_file = where if where is not None else (-1, 0, False)
+            flag = _FILE if from_file else _PREFAULT
+            # k: the first range (by address) that ends after the piece's start
+            k = bisect.bisect_right(starts, dst) - 1 if m else 0
+            if k < 0 or (k < m and dst >= ends[k]):
+                k += 1
+            if k < m and starts[k] < dst:
+                partial.append(ids[k])
+            pos, r = 0, -1
+            while pos < n:
+                a = dst + pos
+                if k < m and a >= starts[k]:
+                    r, until = ids[k], ends[k]
+                else:
+                    r, until = -1, starts[k] if k < m else a + n
+                take = n - pos
+                if until - a < take:
+                    take = until - a
+                if size < take:
+                    take = size
+                put((fd, at + pos, a, take, flag, r))
+                pos += take
+                if r >= 0:
+                    left[r] += 1
+                    if a + take == until:
+                        k += 1
+            if r >= 0 and dst + n != until:  # the copy ends inside range r
+                partial.append(r)
+        if not flat:
+            return
+        n_pieces = len(flat) // 6
+        if in_pass is not None and (partial or in_pass.fed_in_python()):
+            # Ranges not landed whole here, or begun in Python: not the loop's to hash.
+            not_here = set(partial) | in_pass.fed_in_python()
+            for i in range(5, len(flat), 6):
+                if flat[i] in not_here:
+                    left[flat[i]] -= 1
+                    flat[i] = -1
+        nr = len(in_pass.sizes) if in_pass is not None else 0
+        ranges = in_pass.ranges if in_pass is not None else array.array("q")
+        digests = in_pass.digests if in_pass is not None else bytearray()
+        done, err = array.array("q", bytes(8 * n_pieces)), array.array("q", bytes(8 * n_pieces))
+        hashed = bytearray(nr)
+        if nr and _xxh3_stream_functions() is not None:
             # each range fed in order as its pieces land (while they are in the cache)
             short, from_files, misses = _copyloop.run(
                 flat, ranges, left, done, err, digests, hashed, workers, _xxh3_address(),
                 _xxh3_stream_functions(), INTERLEAVE)
         else:
             short, from_files, misses = _copyloop.run(
-                flat, ranges, left, done, err, digests, hashed, workers,
-                _xxh3_address() if streams else 0)
+                flat, ranges, left if left is not None else array.array("q"), done, err,
+                digests, hashed, workers, _xxh3_address() if nr else 0)
         if from_files or misses:
             self.mapping.count_file_bytes(from_files, misses)
         if short:
-            rest = [(seg, off + got, dst + got, n - got, None)
-                    for (seg, off, dst, n, _), got in zip(pieces, done) if got < n]
+            # A piece is (fd, offset in fd, dst, ...): its segment and offset there are its
+            # copy's, found by destination (copies do not overlap there).
+            by_dst = sorted((dst, seg, off) for seg, off, dst, n in copies if n > 0)
+            starts_at = [c[0] for c in by_dst]
+            rest = []
+            for i in range(0, len(flat), 6):
+                pd, pn, got = flat[i + 2], flat[i + 3], done[i // 6]
+                if got < pn:
+                    dst, seg, off = by_dst[bisect.bisect_right(starts_at, pd) - 1]
+                    rest.append((seg, off + pd - dst + got, pd + got, pn - got, None))
             log.debug("%d of %d pieces left short by the C loop (page-cache misses or "
-                      "read errors, errno %s): read the rest in Python", len(rest),
-                      len(pieces), sorted({e for e in err if e}))
+                      "read errors, errno %s): read the rest in Python", len(rest), n_pieces,
+                      sorted({e for e in err if e}))
             _threads.run_shared(rest, self._one, threads=min(workers, len(rest)))
-        for s, stream in enumerate(streams):
-            if hashed[s]:
-                stream.hashed(bytes(digests[16 * s:16 * s + 16]))
-        if len(streams) == len(covered) and all(hashed):
-            return  # every range hashed by the loop (the usual case)
-        for _, _, dst, n, stream in pieces:
-            if stream is not None and not (stream in index and hashed[index[stream]]):
-                stream.landed(dst, n)
+        if in_pass is not None:
+            in_pass.took(hashed)
+            if short or partial or in_pass.fed_in_python():
+                # (each piece's range found again: those not the loop's are -1 in flat)
+                for i in range(0, len(flat), 6):
+                    in_pass.landed_in_python(flat[i + 2], flat[i + 3])
 
     def close(self) -> None:
         """(Nothing to release: the copy threads are the process's, see
         :mod:`modelexpress._threads`, or the C loop's own, ended when it returns; a
         copy has returned only once all its pieces finished.)"""
-
-
-class _Digest:
-    """A range's digest taken by the C loop, read like a finished hasher's."""
-
-    __slots__ = ("_bytes",)
-
-    def __init__(self, canonical: bytes) -> None:
-        self._bytes = canonical
-
-    def digest(self) -> bytes:
-        return self._bytes
-
-    def hexdigest(self) -> str:
-        return self._bytes.hex()
 
 
 class _Stream:
@@ -449,10 +482,6 @@ class _Stream:
         """Whether none of this range's bytes was fed or is waiting to be."""
         with self._lock:
             return self.fed == 0 and not self._waiting and not self._hashing
-
-    def hashed(self, canonical: bytes) -> None:
-        """The whole range was hashed elsewhere (the C loop): its digest."""
-        self.h, self.fed = _Digest(canonical), self.nbytes
 
     def hasher(self) -> Any:
         """The range's hasher (made now if nothing was hashed yet: an empty range's)."""
@@ -496,7 +525,14 @@ _Piece = tuple[int, int, int, int, "_Stream | None"]
 class DigestsInPass:
     """Streaming hashers that the copy threads feed while copying: one per tensor, or,
     for a block-wise digest (``xxh3-128-b8m``, ``xxh3-128-b1m``), one per block of each
-    tensor, so that the blocks of one large tensor are hashed on several threads at once.
+    tensor (a range), so that the blocks of one large tensor are hashed on several
+    threads at once.
+
+    The C loop hashes most ranges itself: it is handed every range (:attr:`ranges`)
+    and writes each digest it takes into :attr:`digests`, by range, so that a tensor's
+    blocks' digests are one slice of it. A :class:`_Stream` is made only for a range
+    fed in Python (the Python loop, a range a chunk end cuts, a piece the C loop left
+    short).
 
     Args:
         algorithm: the manifest's digest algorithm (it must have a
@@ -512,37 +548,79 @@ class DigestsInPass:
                  tensors: Mapping[str, "torch.Tensor"], peer: str) -> None:
         from modelexpress.transfer.digest import XXH3, block_bytes, hasher
         self.algorithm, self.peer = algorithm, peer
-
-        def new_hasher() -> Any:
-            return hasher(algorithm)
-
+        self._new_hasher = functools.partial(hasher, algorithm)
         block = block_bytes(algorithm)  # only the block-wise xxh3 digests have blocks
+        self._blocks = block is not None
         # Each range's digest is the xxh3-128 of its bytes: the C loop can take it.
         self.xxh3 = algorithm == XXH3 or block is not None
-        # (name, expected digest, bytes, its streams in byte order)
-        self._tensors: list[tuple[str, str, int, list[_Stream]]] = []
-        self._streams: list[_Stream] = []
+        # (name, expected digest, bytes, its first range, its ranges)
+        self._tensors: list[tuple[str, str, int, int, int]] = []
+        bases: list[int] = []
+        #: each range's size, by range (a tensor's in order)
+        self.sizes: list[int] = []
         for p in order:
             if p.remote.digest is None:
                 continue
             t = tensors[p.name]
             base, nbytes = t.data_ptr(), t.numel() * t.element_size()
             step = block or nbytes or 1
-            parts = [_Stream(base + a, min(step, nbytes - a), new_hasher)
-                     for a in range(0, nbytes or 1, step)]
-            self._tensors.append((p.name, p.remote.digest, nbytes, parts))
-            self._streams += parts
-        # Destination ranges, sorted, to find the stream a copied byte lands in.
-        ranges = sorted((st.base, st.base + st.nbytes, i) for i, st in enumerate(self._streams)
-                        if st.nbytes)
-        self._bases = [r[0] for r in ranges]
-        self._ranges = ranges
+            first = len(bases)
+            bases += range(base, base + (nbytes or 1), step)
+            count = len(bases) - first
+            self.sizes += [step] * (count - 1)
+            self.sizes.append(nbytes - step * (count - 1))  # the last, or only, one
+            self._tensors.append((p.name, p.remote.digest, nbytes, first, count))
+        self._base = bases
+        #: (first byte, size) of each range, flat: the C loop's ``streams``
+        self.ranges = array.array("q", [v for r in zip(bases, self.sizes) for v in r])
+        #: the C loop's digests, 16 bytes by range; :attr:`_in_c` says which it took
+        self.digests = bytearray(16 * len(bases))
+        self._in_c = bytearray(len(bases))
+        self._py: dict[int, _Stream] = {}  # ranges fed in Python
+        # Non-empty ranges by address, to find the range a byte lands in.
+        by_addr = sorted((b, b + n, r) for r, (b, n) in enumerate(zip(bases, self.sizes)) if n)
+        self._starts = [x[0] for x in by_addr]
+        self._ends = [x[1] for x in by_addr]
+        self._ids = [x[2] for x in by_addr]
+
+    def sorted_ranges(self) -> tuple[list[int], list[int], list[int]]:
+        """The non-empty ranges by address: first bytes, ends, range numbers."""
+        return self._starts, self._ends, self._ids
+
+    def fed_in_python(self) -> Any:
+        """The ranges fed (or made to be fed) in Python so far: not the C loop's."""
+        return self._py.keys()
+
+    def took(self, hashed: bytes | bytearray) -> None:
+        """The C loop took the digest of each range where ``hashed`` (one byte each) is 1
+        (written to :attr:`digests`)."""
+        if any(hashed):
+            self._in_c = bytearray((int.from_bytes(self._in_c, "little")
+                                    | int.from_bytes(hashed, "little")
+                                    ).to_bytes(len(self._in_c), "little"))
+
+    def hashed_by_the_loop(self) -> list[bool]:
+        """Whether the C loop hashed each range, by range (tests)."""
+        return [bool(x) for x in self._in_c]
+
+    def _stream(self, r: int) -> "_Stream":
+        st = self._py.get(r)
+        if st is None:
+            st = self._py[r] = _Stream(self._base[r], self.sizes[r], self._new_hasher)
+        return st
+
+    def landed_in_python(self, dst: int, n: int) -> None:
+        """A piece ``[dst, +n)`` landed (cut at range boundaries): fed to its range's
+        Python hasher unless the C loop hashed that range."""
+        k = bisect.bisect_right(self._starts, dst) - 1
+        if k >= 0 and dst < self._ends[k] and not self._in_c[self._ids[k]]:
+            self._stream(self._ids[k]).landed(dst, n)
 
     def pieces(self, copies: Sequence[tuple[int, int, int, int]], piece_bytes: int
                ) -> "list[_Piece]":
         """The chunk's runs cut at tensor (and block) boundaries and into pieces of at
         most ``piece_bytes``, in address order, each with the stream of its range (None:
-        bytes of no digested tensor)."""
+        bytes of no digested tensor): the Python loop's."""
         out: list[_Piece] = []
         for seg, off, dst, n in copies:
             pos = 0
@@ -556,10 +634,10 @@ class DigestsInPass:
     def _stream_at(self, addr: int) -> tuple[_Stream | None, int]:
         """The stream whose range holds ``addr`` (None: bytes of no digested tensor) and
         where that stops (its range's end, or the next digested tensor's start)."""
-        k = bisect.bisect_right(self._bases, addr) - 1
-        if k >= 0 and addr < self._ranges[k][1]:
-            return self._streams[self._ranges[k][2]], self._ranges[k][1]
-        nxt = self._bases[k + 1] if k + 1 < len(self._bases) else 1 << 64
+        k = bisect.bisect_right(self._starts, addr) - 1
+        if k >= 0 and addr < self._ends[k]:
+            return self._stream(self._ids[k]), self._ends[k]
+        nxt = self._starts[k + 1] if k + 1 < len(self._starts) else 1 << 64
         return None, nxt
 
     def landed(self, done: int) -> None:
@@ -574,22 +652,39 @@ class DigestsInPass:
         Raises:
             IntegrityError: a digest did not match, or a tensor was not fully fed.
         """
-        from modelexpress.transfer.digest import block_bytes, combine_blocks, stream_digest
-        blocks = block_bytes(self.algorithm) is not None
+        from modelexpress.transfer.digest import combine_digests
+        in_c, digests = self._in_c, self.digests
         bad = []
-        for name, want, nbytes, parts in self._tensors:
-            fed = sum(st.fed for st in parts)
-            if fed != nbytes:
-                got = f"(only {fed} of {nbytes} bytes hashed)"
-            elif blocks:
-                got = combine_blocks([st.hasher() for st in parts], nbytes)
+        for name, want, nbytes, first, count in self._tensors:
+            if in_c.count(1, first, first + count) == count:  # all in C: the usual case
+                got = combine_digests(digests[16 * first:16 * (first + count)], nbytes)
             else:
-                got = stream_digest(parts[0].hasher(), nbytes)
+                got = self._mixed(first, count, nbytes)
             if got != want:
                 bad.append((name, want, got))
         if bad:
             raise _mismatch(bad, self.algorithm, self.peer)
         return len(self._tensors)
+
+    def _mixed(self, first: int, count: int, nbytes: int) -> str:
+        """A tensor's digest from ranges hashed in C and in Python (a range of neither
+        hashed nothing: an empty tensor's, or bytes that never landed)."""
+        from modelexpress.transfer.digest import combine_digests, stream_digest
+        fed, parts = 0, []
+        for r in range(first, first + count):
+            if self._in_c[r]:
+                fed += self.sizes[r]
+                parts.append(bytes(self.digests[16 * r:16 * r + 16]))
+            else:
+                st = self._stream(r)
+                fed += st.fed
+                parts.append(st.hasher())
+        if fed != nbytes:
+            return f"(only {fed} of {nbytes} bytes hashed)"
+        if not self._blocks:  # one range, hashed in Python
+            return stream_digest(parts[0], nbytes)
+        return combine_digests(b"".join(p if isinstance(p, bytes) else p.digest()
+                                        for p in parts), nbytes)
 
     def close(self) -> None:
         """(Nothing to release.)"""
