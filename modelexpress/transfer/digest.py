@@ -1,6 +1,6 @@
 """Per-tensor digests, computed where the tensor lives.
 
-Four algorithms, named in the manifest so that source and target agree:
+Five algorithms, named in the manifest so that source and target agree:
 
 ``xxh3-128-b8m`` and ``xxh3-128-b1m`` (the defaults for CPU tensors)
     ``xxh3-128`` of each 8 MiB (``b8m``) or 1 MiB (``b1m``) block of the tensor's bytes
@@ -221,10 +221,7 @@ def _xxh3_blocks_many(tensors: Sequence[torch.Tensor], block: int) -> list[str]:
 
 
 def _combine(block_digests: Sequence[bytes], nbytes: int) -> str:
-    if len(block_digests) == 1:
-        return f"{block_digests[0].hex()}:{nbytes}"
-    import xxhash
-    return f"{xxhash.xxh3_128(b''.join(block_digests)).hexdigest()}:{nbytes}"
+    return combine_digests(b"".join(block_digests), nbytes)
 
 
 def block_bytes(algorithm: str) -> int | None:
