@@ -478,11 +478,6 @@ class _Stream:
         self._hashing = False
         self._lock = threading.Lock()
 
-    def untouched(self) -> bool:
-        """Whether none of this range's bytes was fed or is waiting to be."""
-        with self._lock:
-            return self.fed == 0 and not self._waiting and not self._hashing
-
     def hasher(self) -> Any:
         """The range's hasher (made now if nothing was hashed yet: an empty range's)."""
         if self.h is None:
