@@ -412,10 +412,13 @@ pooled(job_t *job, int helpers)
         pthread_cond_broadcast(&pool_wake);
     pthread_mutex_unlock(&pool_mu);
     work(job);
-    /* ORDER: every piece is taken once work() returns here; wait for the helpers still
-     * reading theirs (bounded as above). A helper that wakes after this call counts the
-     * generation as seen and never touches `job` (pool_taken >= pool_want). */
+    /* ORDER: every piece is taken once work() returns here. The helpers that have not
+     * taken the job yet (still waking, or waiting for pool_mu behind the others) are
+     * let go: there is nothing left for them, so the call need not wait for them to
+     * wake. Then it waits for the helpers still reading theirs (bounded as above). A helper that wakes after this counts the generation as seen and never
+     * touches `job` (pool_taken >= pool_want). */
     pthread_mutex_lock(&pool_mu);
+    pool_want = pool_taken;
     while (pool_back < pool_want)
         pthread_cond_wait(&pool_idle, &pool_mu);
     pool_want = 0;
@@ -624,8 +627,12 @@ run(PyObject *self, PyObject *args)
             job.order = order;
         }
         /* ORDER: the states are made only once the pieces passed (a refusal above has
-         * none to free). */
+         * none to free). Only for the ranges with pieces in this call: a pull hands
+         * every call all of its ranges (a multi-GiB pull in 1 GiB chunks: thousands of
+         * ranges a call), and one with no piece here (busy from the start) is never fed. */
         for (Py_ssize_t r = 0; r < ns; r++) {
+            if (job.busy[r])
+                continue;
             void *state = sfn.create();
             if (state == NULL || sfn.reset(state) != 0) {
                 if (state != NULL)
@@ -663,7 +670,8 @@ run(PyObject *self, PyObject *args)
     }
 out:
     for (Py_ssize_t r = 0; r < made; r++)
-        sfn.free(states[r]);
+        if (states[r] != NULL)
+            sfn.free(states[r]);
     free(scratch);
     for (int i = 0; i < held; i++)
         PyBuffer_Release(&v[i]);

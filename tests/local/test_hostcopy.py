@@ -551,6 +551,83 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+def test_the_c_loop_lets_go_of_helpers_with_nothing_left_and_keeps_them():
+    """Copies too small for their threads (1 or 2 pieces on 8 threads, 400 times), and
+    copies with a piece for every thread between them: the helpers that wake after the
+    last piece was taken are let go (the call does not wait for them), and come back for
+    the next copy. Every copy lands every byte, no copy waits past the subprocess's
+    bound, and the pool keeps its 7 helpers (none started again)."""
+    import subprocess
+    import sys
+    code = r"""
+import array, ctypes, os
+from modelexpress.local import _copyloop
+fd = os.memfd_create("copyloop-letgo")
+data = bytes(range(256)) * 1024  # 256 KiB
+os.write(fd, data)
+out = ctypes.create_string_buffer(len(data))
+q = lambda n: array.array("q", [0] * n)
+def copy(piece):
+    ctypes.memset(out, 0, len(data))
+    pieces = []
+    for a in range(0, len(data), piece):
+        pieces += [fd, a, ctypes.addressof(out) + a, piece, 0, -1]
+    n = len(pieces) // 6
+    done = q(n)
+    assert _copyloop.run(array.array("q", pieces), array.array("q"), q(0), done, q(n),
+                         bytearray(0), bytearray(0), 8, 0) == (0, 0, 0)
+    assert out.raw == data and all(d == piece for d in done)
+copy(len(data) // 8)
+tasks = sorted(os.listdir("/proc/self/task"))
+for i in range(400):
+    copy(len(data) // (1 + i % 2))
+    if i % 50 == 0:
+        copy(len(data) // 64)
+assert sorted(os.listdir("/proc/self/task")) == tasks
+print("ok", len(tasks))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["ok", "8"], (r.stdout, r.stderr)
+
+
+def test_the_c_loop_digests_only_the_ranges_with_pieces_in_the_call(seed):
+    """A call is handed every range of a pull, and pieces of some of them only (one
+    chunk of several): the ranges with pieces get their digests (fed in order, and
+    hashed whole at their end), the others none (hashed 0), whichever comes first."""
+    import xxhash
+
+    from modelexpress.local import hostcopy
+    sizes = [3 << 20, 1 << 20, 4097, 2 << 20]
+    total = sum(sizes)
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(seed))
+    fd = os.memfd_create("copyloop-some")
+    try:
+        os.write(fd, bytes(src.numpy()))
+        for fns in (hostcopy._xxh3_stream_functions(), None):
+            for here in ({1, 2}, {0, 3}, {2}):
+                dst = torch.zeros(total, dtype=torch.uint8)
+                base = dst.data_ptr()
+                pieces, streams, off = [], [], 0
+                for r, n in enumerate(sizes):
+                    streams += [base + off, n]
+                    if r in here:
+                        for a in range(0, n, 256 << 10):
+                            pieces += [fd, off + a, base + off + a, min(256 << 10, n - a), 0, r]
+                    off += n
+                _, _, digests, hashed = _run_c_loop(pieces, streams, 4, fns)
+                off = 0
+                for r, n in enumerate(sizes):
+                    if r in here:
+                        want = xxhash.xxh3_128(bytes(src[off:off + n].numpy())).digest()
+                        assert hashed[r] == 1 and bytes(digests[16 * r:16 * r + 16]) == want
+                    else:
+                        assert hashed[r] == 0 and not dst[off:off + n].any()
+                    off += n
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("native", [False, True], ids=["python-loop", "c-loop"])
 def test_a_forked_child_copies_on_copy_threads_of_its_own(seed, native):
     """A process that forks after a parallel copy (an engine forking its workers): the
