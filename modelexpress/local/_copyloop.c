@@ -415,8 +415,9 @@ pooled(job_t *job, int helpers)
     /* ORDER: every piece is taken once work() returns here. The helpers that have not
      * taken the job yet (still waking, or waiting for pool_mu behind the others) are
      * let go: there is nothing left for them, so the call need not wait for them to
-     * wake. Then it waits for the helpers still reading theirs (bounded as above). A helper that wakes after this counts the generation as seen and never
-     * touches `job` (pool_taken >= pool_want). */
+     * wake. Then it waits for the helpers still reading theirs (bounded as above). A
+     * helper that wakes after this counts the generation as seen and never touches
+     * `job` (pool_taken >= pool_want). */
     pthread_mutex_lock(&pool_mu);
     pool_want = pool_taken;
     while (pool_back < pool_want)
