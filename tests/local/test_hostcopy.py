@@ -553,7 +553,7 @@ print("ok")
 
 def test_the_c_loop_lets_go_of_helpers_with_nothing_left_and_keeps_them():
     """Copies too small for their threads (1 or 2 pieces on 8 threads, 400 times), and
-    copies with a piece for every thread between them: the helpers that wake after the
+    copies with pieces for every thread among them: the helpers that wake after the
     last piece was taken are let go (the call does not wait for them), and come back for
     the next copy. Every copy lands every byte, no copy waits past the subprocess's
     bound, and the pool keeps its 7 helpers (none started again)."""
@@ -593,7 +593,8 @@ print("ok", len(tasks))
 def test_the_c_loop_digests_only_the_ranges_with_pieces_in_the_call(seed):
     """A call is handed every range of a pull, and pieces of some of them only (one
     chunk of several): the ranges with pieces get their digests (fed in order, and
-    hashed whole at their end), the others none (hashed 0), whichever comes first."""
+    hashed whole at their end), the others none (hashed 0), with the pieces' ranges
+    first, last or in the middle."""
     import xxhash
 
     from modelexpress.local import hostcopy
