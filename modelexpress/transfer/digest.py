@@ -215,13 +215,9 @@ def _xxh3_blocks_many(tensors: Sequence[torch.Tensor], block: int) -> list[str]:
     out, k = [], 0
     for v in views:
         n = max(1, -(-len(v) // block))
-        out.append(_combine(done[k:k + n], len(v)))
+        out.append(combine_digests(b"".join(done[k:k + n]), len(v)))
         k += n
     return out
-
-
-def _combine(block_digests: Sequence[bytes], nbytes: int) -> str:
-    return combine_digests(b"".join(block_digests), nbytes)
 
 
 def block_bytes(algorithm: str) -> int | None:
@@ -233,7 +229,8 @@ def block_bytes(algorithm: str) -> int | None:
 def combine_blocks(hashers: Sequence[object], nbytes: int) -> str:
     """The ``"<hex>:<nbytes>"`` digest of a block-wise algorithm's tensor of ``nbytes``
     bytes from one :func:`hasher` per block, in order, each fed its whole block."""
-    return _combine([h.digest() for h in hashers], nbytes)  # type: ignore[attr-defined]
+    return combine_digests(b"".join(h.digest() for h in hashers),  # type: ignore[attr-defined]
+                           nbytes)
 
 
 def combine_digests(joined: bytes | bytearray | memoryview, nbytes: int) -> str:
