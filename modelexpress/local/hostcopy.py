@@ -237,11 +237,11 @@ def _prefault(addr: int, nbytes: int) -> None:
     """Fault in the destination pages of ``[addr, +nbytes)`` writable before a read
     from a memfd lands there, if they are not there yet (a fresh allocation).
 
-    Not before a read from a file's page cache (``HostMapping.from_file``): there the
-    faults taken inside the read cost less than populating first, which writes the new
-    pages once more (bench/local.py --host, fresh-process rows; on the 16-core GPU
-    host, pulls in fresh processes populating first took 30.5 ms against 18.8 for
-    70 MB and 112 against 82 ms for 1 GiB).
+    Not before a read from a file's page cache (``HostMapping.from_file``) in Python
+    threads: there the faults taken inside the read cost less than populating first
+    (session 12, on the 16-core GPU host, pulls in fresh processes populating first took
+    30.5 ms against 18.8 for 70 MB and 112 against 82 ms for 1 GiB). The C loop does
+    populate small new pages before such a read (:meth:`HostCopier._copy_native`).
 
     New memory costs a fault per page, more than the copy itself on the CI machine,
     and faults taken inside ``pread``'s copy cost more than this populate at best
@@ -320,8 +320,9 @@ class HostCopier:
                 still writes into the destination when this returns or raises).
         """
         total = sum(c[3] for c in copies)
-        if self.huge_pages is not None:
-            self.huge_pages.advise(copies)
+        # Whether new destination pages fault in huge: then the C loop's page-cache reads
+        # take the faults themselves (see _copy_native).
+        huge = self.huge_pages is not None and self.huge_pages.faults_huge(copies)
         native = self.native and (in_pass is None or (in_pass.xxh3 and _xxh3_address() != 0))
         # Fine pieces in the C loop; in Python only into new memory (judged by the
         # largest copy's destination): into touched memory a piece copies in well under
@@ -330,7 +331,8 @@ class HostCopier:
         fine = native or (big is not None and not _resident(big[2], big[3]))
         size = _piece_bytes(total, self.threads, fine)
         if native:
-            self._copy_native(copies, size, in_pass, 1 if total < _INLINE_BYTES else self.threads)
+            self._copy_native(copies, size, in_pass, 1 if total < _INLINE_BYTES else self.threads,
+                              _FILE if huge else _FILE | _PREFAULT)
             return
         if in_pass is not None:
             pieces = in_pass.pieces(copies, size)
@@ -354,11 +356,22 @@ class HostCopier:
             stream.landed(dst, n)
 
     def _copy_native(self, copies: Sequence[tuple[int, int, int, int]], size: int,
-                     in_pass: "DigestsInPass | None", workers: int) -> None:
+                     in_pass: "DigestsInPass | None", workers: int, file_flags: int) -> None:
         """The copies cut into pieces and read by the C loop, without the GIL. It hashes
         every range landed whole by this copy and untouched so far, and whatever it
         could not finish (a page-cache miss, a read error, a range a chunk end cuts) is
         finished here by :meth:`_one`'s path.
+
+        ``file_flags``: the loop's flags for a read of a file's page cache: ``_FILE``,
+        with ``_PREFAULT`` where new destination pages are small ones. A piece read from
+        a memfd is always populated first where new. In the C loop each thread
+        populates its own piece (``MADV_POPULATE_WRITE``) before reading into it, which
+        on the 16-core GPU host cost less than the faults the read takes itself in small
+        pages (70 MB into new memory: the pull 5.3 against 6.3 ms, a fresh process 7.2
+        against 8.0 ms) and more where the pull advised huge pages (1 GiB: 45.0 against
+        41.9 ms, a fresh process 48.2 against 43.5 ms); docs/benchmarks.md, session 23.
+        (In Python threads, session 12, populating first was slower either way:
+        :meth:`_one` does not.)
 
         One pass over the pieces, which the loop is handed with every range of the
         pull and its digest buffer (``DigestsInPass``): this Python, per piece, is most
@@ -378,7 +391,7 @@ class HostCopier:
         for seg, off, dst, n in copies:
             where = read_source(seg, off, n)
             fd, at, from_file = where if where is not None else (-1, 0, False)
-            flag = _FILE if from_file else _PREFAULT
+            flag = file_flags if from_file else _PREFAULT
             # k: the first range (by address) that ends after the piece's start
             k = bisect.bisect_right(starts, dst) - 1 if m else 0
             if k < 0 or (k < m and dst >= ends[k]):

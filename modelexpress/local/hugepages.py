@@ -67,6 +67,12 @@ def thp_mode(path: str = _THP_ENABLED) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def _thp_mode_once() -> str:
+    # A pull asks at every chunk; the mode is an administrator's setting, not re-read.
+    return thp_mode()
+
+
+@functools.lru_cache(maxsize=None)
 def backed_up_front(cpuinfo: str = "/proc/cpuinfo", gpu: str = "/dev/nvidia0") -> bool:
     """Whether this machine's memory is backed before the guest touches it: no
     ``hypervisor`` CPU flag (bare metal), or an NVIDIA GPU (``gpu`` exists: passed
@@ -104,18 +110,31 @@ class HugePages:
         self.used = False
 
     @functools.cached_property
+    def kernel(self) -> str:
+        """The kernel's THP mode (:func:`thp_mode`, read once per process unless given)."""
+        return _thp_mode_once() if self._kernel_mode is None else self._kernel_mode
+
+    @functools.cached_property
     def on(self) -> bool:
-        # Read at the first chunk that asks (a small pull reads nothing).
-        kernel = thp_mode() if self._kernel_mode is None else self._kernel_mode
-        return kernel == "madvise" and (
+        return self.kernel == "madvise" and (
             self.mode == "on" or (self.mode == "auto" and backed_up_front()))
 
-    def advise(self, copies: Sequence[tuple[int, int, int, int]]) -> None:
+    def faults_huge(self, copies: Sequence[tuple[int, int, int, int]]) -> bool:
+        """:meth:`advise` these copies; then whether their new destination pages fault
+        in as huge pages: advised here, or the kernel gives every large anonymous
+        mapping huge pages (THP ``always``)."""
+        return self.advise(copies) or self.kernel == "always"
+
+    def advise(self, copies: Sequence[tuple[int, int, int, int]]) -> bool:
         """Advise the new destinations of ``(segment, offset, dst_addr, nbytes)`` runs
         ``MADV_HUGEPAGE`` where this pull uses huge pages and they hold at least
-        :data:`MIN_BYTES`. Best effort: a refused advice leaves small pages."""
+        :data:`MIN_BYTES`. Best effort: a refused advice leaves small pages.
+
+        Returns:
+            Whether this chunk's new destinations were advised (at least one range).
+        """
         if self.mode == "off" or sum(c[3] for c in copies) < MIN_BYTES or not self.on:
-            return
+            return False
         # Each destination's whole 2 MiB-aligned interior; the pages at its ends may be
         # shared with a neighbour already landed.
         ranges = [(lo, hi) for lo, hi in
@@ -123,6 +142,9 @@ class HugePages:
                    for _, _, dst, n in copies)
                   if hi - lo >= _HUGE and not _resident(lo, hi - lo)]
         if sum(hi - lo for lo, hi in ranges) < MIN_BYTES:
-            return
+            return False
+        advised = False
         for lo, hi in ranges:
-            self.used |= _madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+            advised |= _madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+        self.used |= advised
+        return advised

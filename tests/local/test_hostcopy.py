@@ -308,6 +308,64 @@ def test_the_c_loop_reads_every_piece_without_python_and_a_failed_piece_raises_l
         buf.close()
 
 
+@pytest.mark.parametrize("pages", ["small", "advised", "thp-always"])
+def test_the_c_loop_populates_new_small_pages_before_a_page_cache_read_not_huge_ones(
+        seed, pages, tmp_path, monkeypatch):
+    """A copy read from a file's page cache into new memory: the C loop is told to
+    populate each new destination piece first (FILE | PREFAULT) where those pages are
+    small, and to let the read fault them in (FILE) where they fault in huge (advised
+    ``MADV_HUGEPAGE`` for this chunk, or THP ``always``); every byte lands either way."""
+    import mmap
+
+    from modelexpress.local import hostcopy, hugepages
+    if pages == "advised" and hugepages.thp_mode() != "madvise":
+        pytest.skip(f"THP is {hugepages.thp_mode()!r} here: MADV_HUGEPAGE is asked for "
+                    "only under madvise (CI's kernel has madvise)")
+    n = 12 << 20
+    buf, _ = _source([n], seed)
+    want = buf.tensor(0, (n,), torch.uint8)
+    path = tmp_path / "ckpt"
+    path.write_bytes(want.numpy().tobytes())
+    os.pread(fd := os.open(path, os.O_RDONLY), n, 0)  # in the page cache
+    mapping = HostMapping([Segment("memfd", buf.addr, n, -1)], [os.dup(buf.fd)],
+                          files=[(Segment("file", buf.addr, n, -1, offset=0), fd)])
+    seen: list[int] = []
+    real = hostcopy._copyloop
+
+    class Spy:
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            return getattr(real, name)
+
+        def run(self, pieces, *rest):  # type: ignore[no-untyped-def]
+            seen.extend(pieces[4::6])
+            return real.run(pieces, *rest)
+
+    monkeypatch.setattr(hostcopy, "_copyloop", Spy())
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 4 << 20)
+    huge = {"small": hugepages.HugePages("off", kernel_mode="madvise"),
+            "advised": hugepages.HugePages("on", kernel_mode="madvise"),
+            "thp-always": hugepages.HugePages("off", kernel_mode="always")}[pages]
+    new = mmap.mmap(-1, n + (2 << 20), flags=mmap.MAP_PRIVATE)  # nothing touched it
+    try:
+        dst = torch.frombuffer(new, dtype=torch.uint8, count=n)
+        seg, off = mapping.locate(buf.addr, n)
+        assert mapping.from_file(seg)
+        HostCopier(mapping, threads=3, native=True, huge_pages=huge).copy(
+            [(seg, off, dst.data_ptr(), n)])
+        assert torch.equal(dst, want) and mapping.file_bytes == n
+        flags = set(seen)
+        if pages == "small":
+            assert flags == {hostcopy._FILE | hostcopy._PREFAULT}
+        else:
+            assert flags == {hostcopy._FILE}
+            assert huge.used is (pages == "advised")
+        del dst
+    finally:
+        new.close()
+        mapping.close()
+        buf.close()
+
+
 def test_the_c_loop_digest_is_the_xxhash_packages():
     """The C loop hashes through the xxhash package's own XXH3_128bits, checked once
     against ``xxhash.xxh3_128`` (a build that disagreed would leave hashing to Python)."""

@@ -70,7 +70,7 @@ def test_on_advises_the_aligned_interior_of_large_new_destinations_and_changes_n
     # two tensors, each half of the threshold and a little more, not 2 MiB-aligned
     a, b = (new.tensor(MIN_BYTES // 2 + (3 << 20) + 4096) for _ in range(2))
     h = HugePages("on")
-    h.advise([_run(a), _run(b)])
+    assert h.advise([_run(a), _run(b)]) is True
     assert h.on and h.used
     for t in (a, b):
         lo, hi = _interior(t)
@@ -88,17 +88,17 @@ def test_off_small_chunks_and_touched_memory_are_not_advised() -> None:
     new = _NewMemory()
     big = new.tensor(MIN_BYTES + (4 << 20))
     off = HugePages("off")
-    off.advise([_run(big)])
+    assert off.advise([_run(big)]) is False
     assert not off.on and not off.used and "hg" not in _vmflags(_interior(big)[0])
 
     small = new.tensor(MIN_BYTES // 4)  # a chunk of less new memory than MIN_BYTES
     h = HugePages("on")
-    h.advise([_run(small)])
+    assert h.advise([_run(small)]) is False
     assert not h.used and "hg" not in _vmflags(_interior(small)[0])
 
     touched = new.tensor(MIN_BYTES + (4 << 20))
     touched.fill_(1)  # resident: its pages are small already, advice would change nothing
-    h.advise([_run(touched)])
+    assert h.advise([_run(touched)]) is False
     assert not h.used and "hg" not in _vmflags(_interior(touched)[0])
 
 
