@@ -19,7 +19,9 @@ threads = copy_threads()
 
 
 def fresh():
-    m = mmap.mmap(-1, size)  # anonymous, private: every page new at its first write
+    # NB (session 23): mmap(-1, n) is MAP_SHARED, so these are shmem pages, not the private
+    # anonymous memory a pull writes into; see docs/gpu-logs/2026-12-05-s23/probe_fresh_private.py
+    m = mmap.mmap(-1, size)
     return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
 
 
