@@ -406,12 +406,12 @@ def _other_blocks(manifest: Any, ckpt: str) -> Any:
 
 
 def _populate(addr: int, nbytes: int, huge: bool) -> None:
-    from modelexpress.local import hostcopy
+    from modelexpress.local import pages
     if huge:
         lo, hi = -(-addr // (2 << 20)) * (2 << 20), (addr + nbytes) // (2 << 20) * (2 << 20)
-        hostcopy._madvise(lo, max(0, hi - lo), 14)  # MADV_HUGEPAGE
+        pages.madvise(lo, max(0, hi - lo), pages.MADV_HUGEPAGE)
     start = addr & ~4095
-    hostcopy._madvise(start, (addr + nbytes - start + 4095) & ~4095, 23)  # POPULATE_WRITE
+    pages.madvise(start, (addr + nbytes - start + 4095) & ~4095, pages.MADV_POPULATE_WRITE)
 
 
 def _settle() -> None:
@@ -453,7 +453,7 @@ def host_target(args: argparse.Namespace) -> None:
         print(json.dumps({"seconds": time_disk_load(ckpt, cold=False)}))
         return
     from modelexpress.local import LocalEndpoint, hostcopy, pull
-    from modelexpress.p2p.target import allocate_like
+    from modelexpress.p2p.manifests import allocate_like
     from modelexpress.transfer.manifest import Manifest
     hostcopy.NATIVE = what != "pull-pyloop"  # the C piece loop, or the Python one
     # MX_LOCAL_HUGE_PAGES of the pull: the default (auto), or forced on / off
@@ -487,7 +487,7 @@ def host_case(name: str, rounds: int, tmp: str, fresh_rounds: int = 3,
     from modelexpress.checkpoint import LlamaShape, generate_llama_checkpoint, time_disk_load
     from modelexpress.local import LocalEndpoint, hostcopy, pull
     from modelexpress.local.hostcopy import copy_threads
-    from modelexpress.p2p.target import allocate_like
+    from modelexpress.p2p.manifests import allocate_like
     from modelexpress.transfer.manifest import Manifest
     ckpt = os.path.join(tmp, f"ckpt-{name}")
     generate_llama_checkpoint(ckpt, LlamaShape(**HOST_CASES[name]))

@@ -313,7 +313,7 @@ def render_summary(result: DemoResult, ref: GpuReference) -> str:
         lines.append(f"                {label:<52} " + (f"{seconds:.3f} s" if seconds is not None
                                                          else "(not measurable here)"))
 
-    from modelexpress.p2p.target import PHASES
+    from modelexpress.p2p.result import PHASES
 
     row("process start, the CLI (python, typer)", startup)
     row("finding the identity (GET /v1/sources)", cmd.get("resolve_seconds"))

@@ -71,16 +71,15 @@ import array
 import bisect
 import concurrent.futures
 import ctypes
-import errno
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelexpress import _threads
 from modelexpress.errors import IntegrityError
+from modelexpress.local import pages
 
 try:
     from modelexpress.local import _copyloop
@@ -119,17 +118,6 @@ _PIECES_PER_THREAD = 4
 # Below this a chunk is copied on the calling thread: handing it out costs more.
 _INLINE_BYTES = 1 << 20
 
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_madvise = _libc.madvise
-_madvise.restype = ctypes.c_int
-_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-_mincore = _libc.mincore
-_mincore.restype = ctypes.c_int
-_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_prefault_ok = True  # cleared where the kernel does not know MADV_POPULATE_WRITE
 
 # Whether copies run the C piece loop (``_copyloop``: reads and xxh3 digests without
 # the GIL) where it is built; False runs the same pieces in Python threads
@@ -235,7 +223,8 @@ def _xxh3_stream_functions() -> tuple[int, int, int, int, int] | None:
 
 def _prefault(addr: int, nbytes: int) -> None:
     """Fault in the destination pages of ``[addr, +nbytes)`` writable before a read
-    from a memfd lands there, if they are not there yet (a fresh allocation).
+    from a memfd lands there, if they are not there yet (a fresh allocation):
+    :func:`~modelexpress.local.pages.populate_new`.
 
     Not before a read from a file's page cache (``HostMapping.from_file``) in Python
     threads: there the faults taken inside the read cost less than populating first
@@ -247,27 +236,8 @@ def _prefault(addr: int, nbytes: int) -> None:
     and faults taken inside ``pread``'s copy cost more than this populate at best
     (bench/local.py --host; docs/benchmarks.md, "Local transport on host memory").
     Huge pages are the pull's choice (:mod:`.hugepages`), made before the copy: a
-    populate of a range advised ``MADV_HUGEPAGE`` faults it in as huge pages. On
-    touched memory the populate would be a page-table walk for nothing,
-    hence the probe (``mincore`` of one page). No byte changes. Best effort: an
-    error only means the read faults the pages in itself."""
-    global _prefault_ok
-    if not _prefault_ok or nbytes <= 0 or _resident(addr, nbytes):
-        return
-    start = addr & ~(_PAGE - 1)
-    if _madvise(start, (addr + nbytes - start + _PAGE - 1) & ~(_PAGE - 1),
-                _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
-        _prefault_ok = False
-
-
-def _resident(addr: int, nbytes: int) -> bool:
-    """Whether ``[addr, +nbytes)`` is memory already touched (its middle page is
-    resident; ``mincore``), not a new allocation still to be faulted in."""
-    vec = ctypes.c_ubyte(0)
-    # ORDER: the probe is the middle page: the first may be shared with the tensor
-    # before, landed already.
-    return _mincore((addr + nbytes // 2) & ~(_PAGE - 1), _PAGE, ctypes.byref(vec)) == 0 \
-        and bool(vec.value & 1)
+    populate of a range advised ``MADV_HUGEPAGE`` faults it in as huge pages."""
+    pages.populate_new(addr, nbytes)
 
 
 def copy_threads() -> int:
@@ -328,7 +298,7 @@ class HostCopier:
         # largest copy's destination): into touched memory a piece copies in well under
         # 1 ms and its Python costs more than idle threads do.
         big = max(copies, key=lambda c: c[3], default=None)
-        fine = native or (big is not None and not _resident(big[2], big[3]))
+        fine = native or (big is not None and not pages.resident(big[2], big[3]))
         size = _piece_bytes(total, self.threads, fine)
         if native:
             self._copy_native(copies, size, in_pass, 1 if total < _INLINE_BYTES else self.threads,

@@ -38,9 +38,7 @@ import functools
 import os
 from collections.abc import Sequence
 
-# The local package's libc bindings (madvise, and the mincore probe of whether memory
-# was touched yet) are hostcopy's.
-from modelexpress.local.hostcopy import _madvise, _resident
+from modelexpress.local.pages import MADV_HUGEPAGE, madvise, resident
 
 __all__ = ["MODES", "MIN_BYTES", "HugePages", "backed_up_front", "thp_mode"]
 
@@ -50,7 +48,6 @@ MODES = ("auto", "on", "off")
 # 10.3) and faster at 1 GiB (52.0 ms against 77.4); between the two nothing was measured.
 MIN_BYTES = 256 << 20
 _HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
-_MADV_HUGEPAGE = 14  # Linux 2.6.38
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -140,11 +137,11 @@ class HugePages:
         ranges = [(lo, hi) for lo, hi in
                   (((dst + _HUGE - 1) & ~(_HUGE - 1), (dst + n) & ~(_HUGE - 1))
                    for _, _, dst, n in copies)
-                  if hi - lo >= _HUGE and not _resident(lo, hi - lo)]
+                  if hi - lo >= _HUGE and not resident(lo, hi - lo)]
         if sum(hi - lo for lo, hi in ranges) < MIN_BYTES:
             return False
         advised = False
         for lo, hi in ranges:
-            advised |= _madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+            advised |= madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
         self.used |= advised
         return advised

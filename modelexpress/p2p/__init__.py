@@ -5,12 +5,13 @@ Importing this package does not import torch or NIXL; they load on first use.
 
 from __future__ import annotations
 
+from modelexpress.p2p.manifests import allocate_like, manifest_of
 from modelexpress.p2p.options import PullOptions
 from modelexpress.p2p.readers import AgentStart, NixlReader, ReaderFactory, SourceReader
+from modelexpress.p2p.result import PHASES, PullResult, SkippedSource
 from modelexpress.p2p.selection import POLICIES
 from modelexpress.p2p.source import SourceHandle, default_worker_id, serve_source
-from modelexpress.p2p.target import (PHASES, PullResult, SkippedSource, allocate_like,
-                                     manifest_of, pull)
+from modelexpress.p2p.target import pull
 from modelexpress.p2p.tracking import RateCap, TransferTracker, outcome_of
 
 __all__ = [

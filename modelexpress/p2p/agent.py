@@ -288,8 +288,8 @@ class Agent(Closeable):
         """Run a transfer the planner put on a relay path (:mod:`~.relay`): serve its
         destination from the first chunk while reading each chunk from the first live
         holder on the path."""
+        from modelexpress.p2p.manifests import allocate_like, manifest_of
         from modelexpress.p2p.relay import RelayReader, RelayServer, relay_worker_id
-        from modelexpress.p2p.target import allocate_like, manifest_of
 
         opts = self.options
         # Every verified tensor is advertised at once (from the reader's own thread);
@@ -419,7 +419,7 @@ class Agent(Closeable):
         import torch
 
         from modelexpress.checkpoint import allocate_shared
-        from modelexpress.p2p.target import manifest_of
+        from modelexpress.p2p.manifests import manifest_of
 
         manifest = manifest_of(info)
         specs = [(e.name, tuple(e.shape), getattr(torch, e.dtype)) for e in manifest.tensors]

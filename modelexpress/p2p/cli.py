@@ -201,7 +201,8 @@ def pull(
     # phase), overlapping the NIXL agent's creation.
     startup_s = support.process_age_s()
     from modelexpress.checkpoint import check_output, save_checkpoint
-    from modelexpress.p2p.target import PullOptions, pull as do_pull
+    from modelexpress.p2p.options import PullOptions
+    from modelexpress.p2p.target import pull as do_pull
 
     settings = _settings(server, as_json)
     _check_device(device)

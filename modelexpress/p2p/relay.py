@@ -82,7 +82,9 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from modelexpress.errors import (ConfigError, IntegrityError, MxError, NotFoundError, PeerError,
                                  ServerUnavailableError, TransferCancelledError, TransferError,
                                  TransferTimeoutError, TransportError)
-from modelexpress.p2p.relay_plan import parse_ref, tensor_chunks
+from modelexpress.p2p.manifests import manifest_of
+from modelexpress.p2p.relay_plan import parse_ref, piece_bytes, tensor_chunks
+from modelexpress.p2p.source import serve_source
 
 if TYPE_CHECKING:
     import torch
@@ -183,7 +185,6 @@ class RelayServer:
         import numpy as np
         import torch
 
-        from modelexpress.p2p.source import serve_source
         from modelexpress.transfer import NixlTransferManager
 
         self.dest = dest
@@ -518,7 +519,6 @@ class RelayReader:
         self.origin_info = origin_info
         self.origin = origin
         self.identity_id = identity_id
-        from modelexpress.p2p.relay_plan import piece_bytes
         self.chunk_bytes = piece_bytes(origin.total_bytes, chunk_bytes, link_mbit)
         self.stall_s = stall_s
         self.verify = verify
@@ -755,8 +755,6 @@ class RelayReader:
                 transport_detail=stream.watch.facts().detail))
 
     def _check_manifest(self, h: _Holder, info: "SourceInfo") -> None:
-        from modelexpress.p2p.target import manifest_of
-
         manifest = manifest_of(info)
         theirs = {e.name: (e.digest, e.nbytes) for e in manifest.tensors}
         for e in self.origin.tensors:

@@ -42,6 +42,8 @@ import time
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from modelexpress.errors import MxError
+from modelexpress.p2p.relay import RelayReader, RelayServer, relay_worker_id
+from modelexpress.p2p.relay_plan import source_ref
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +52,6 @@ if TYPE_CHECKING:
     from modelexpress.identity import ModelIdentity
     from modelexpress.p2p.options import PullOptions
     from modelexpress.p2p.readers import ReaderFactory
-    from modelexpress.p2p.relay import RelayServer
     from modelexpress.transfer import Manifest, NixlTransferManager, StopSignal, TransferResult
 
 __all__ = ["RelayedPull", "relay_factory", "wait_unread"]
@@ -131,8 +132,6 @@ class RelayedPull:
     def read_into(self, dest: Mapping[str, "torch.Tensor"], *, allow_partial: bool,
                   progress: Callable[[int, int], None], stop: "StopSignal | None",
                   deadline_s: float) -> "TransferResult":
-        from modelexpress.p2p.relay import RelayReader, RelayServer, relay_worker_id
-
         if self.serve_as is not None and self.server is None:
             worker, transfer_id = self.serve_as
             try:
@@ -206,8 +205,6 @@ def relay_factory(client: "MxClient", record: "TransferInfo | None",
     holder = opts.relay_serve
     if not holder and not path[0].startswith("t:"):
         return None
-    from modelexpress.p2p.relay_plan import source_ref
-
     assert record is not None
     serve_as = (record.target_worker, record.id) if holder else None
 

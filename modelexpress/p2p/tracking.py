@@ -21,7 +21,7 @@ from modelexpress.errors import ConflictError, ControlPlaneError, MxError, Trans
 
 if TYPE_CHECKING:
     from modelexpress.client import MxClient
-    from modelexpress.p2p.target import PullResult
+    from modelexpress.p2p.result import PullResult
 
 __all__ = ["TransferTracker", "RateCap", "outcome_of"]
 

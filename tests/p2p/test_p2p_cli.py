@@ -39,7 +39,7 @@ def test_cli_sources_pull_and_rest_transfer(cluster: Cluster, tmp_path: pathlib.
     command = result["command"]
     assert command["startup_seconds"] > 0 and command["write_seconds"] > 0
     assert command["pull_call_seconds"] >= result["total_seconds"] > 0
-    from modelexpress.p2p.target import PHASES
+    from modelexpress.p2p.result import PHASES
     assert set(result["phases"]) == set(PHASES)
     assert abs(sum(result["phases"][k] for k in PHASES if k not in ("agent", "verify"))
                - result["total_seconds"]) < 0.05 * result["total_seconds"] + 0.01

@@ -20,7 +20,7 @@ from conftest import MODEL, Cluster
 from modelexpress.checkpoint import load_checkpoint, real_model_checkpoint
 from modelexpress.identity import ModelIdentity
 from modelexpress.p2p.relay import RelayReader, RelayServer, relay_worker_id
-from modelexpress.p2p.target import allocate_like, manifest_of
+from modelexpress.p2p.manifests import allocate_like, manifest_of
 from modelexpress.transfer import NixlTransferManager
 
 pytestmark = [pytest.mark.nixl]
