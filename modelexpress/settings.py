@@ -269,7 +269,7 @@ class MxSettings(BaseSettings):
         if isinstance(value, str) and not value.strip():
             return None
         if isinstance(value, str):
-            from modelexpress.artifacts.signing import ArtifactKey
+            from modelexpress.signing import ArtifactKey
             from modelexpress.errors import ConfigError
 
             try:

@@ -6,7 +6,8 @@ its weights; a new engine with the same software, device and configuration pulls
 verifies and installs them before it compiles, and compiles nothing or little.
 
 * ``manifest.py``: :class:`ArtifactSet` (files, install units, prefixes, facts), path rules.
-* ``signing.py``: :class:`ArtifactKey` (``MX_ARTIFACT_KEY``, HMAC-SHA256).
+* :class:`ArtifactKey` (``MX_ARTIFACT_KEY``, HMAC-SHA256) lives in :mod:`modelexpress.signing`,
+  below the settings that check the key at start-up.
 * ``install.py``: :func:`install_set`: verified, staged, renamed; never over a cache.
 * ``exchange.py``: :func:`pack_files`, :func:`serve_packed`, :func:`pull_artifacts`.
 
@@ -22,7 +23,7 @@ from modelexpress.artifacts.exchange import (ATTR_SET, ATTR_SIGNATURE, BLOB, OUT
 from modelexpress.artifacts.install import InstallResult, install_set, verify_blob
 from modelexpress.artifacts.manifest import (ArtifactFile, ArtifactSet, InstallUnit,
                                              check_relative_path, collect_files)
-from modelexpress.artifacts.signing import ArtifactKey
+from modelexpress.signing import ArtifactKey
 
 __all__ = [
     "ATTR_SET",

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from modelexpress.artifacts.install import InstallResult, install_set
 from modelexpress.artifacts.manifest import ArtifactSet, InstallUnit, collect_files
-from modelexpress.artifacts.signing import ArtifactKey
 from modelexpress.errors import ArtifactRefusedError, MxError
+from modelexpress.signing import ArtifactKey
 
 if TYPE_CHECKING:
     from modelexpress.client import MxClient

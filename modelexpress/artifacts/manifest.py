@@ -20,8 +20,8 @@ checkpoint's path): the source names each such directory symbolically, and the t
 maps the name to its own directory (see ``install.py``).
 
 Everything the target acts on is in :meth:`ArtifactSet.canonical_bytes`, which the
-source signs (``signing.py``): paths, sizes, modes, digests and prefixes. A path that
-is absolute, contains ``..``, an empty or ``.`` component, a NUL or a backslash is
+source signs (:mod:`modelexpress.signing`): paths, sizes, modes, digests and prefixes.
+A path that is absolute, contains ``..``, an empty or ``.`` component, a NUL or a backslash is
 refused (:func:`check_relative_path`); symbolic links are never collected.
 """
 

@@ -1,6 +1,7 @@
 """Stores of the control plane: the :class:`Store` protocol, SQLite and Redis backends."""
 
-from modelexpress.server.store.base import COLLECTIONS, Collection, Record, Store, open_store
+from modelexpress.server.store.base import COLLECTIONS, Collection, Record, Store
+from modelexpress.server.store.factory import open_store
 
 __all__ = ["COLLECTIONS", "Collection", "Record", "Store", "open_store",
            "SqliteStore", "RedisStore"]

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
-from modelexpress.errors import ConfigError
-from modelexpress.settings import STORE_FORMS
-
-__all__ = ["Collection", "COLLECTIONS", "Record", "Store", "open_store"]
+__all__ = ["Collection", "COLLECTIONS", "Record", "Store"]
 
 Collection = Literal["sources", "blobs", "transfers", "agents"]
 COLLECTIONS: tuple[Collection, ...] = ("sources", "blobs", "transfers", "agents")
@@ -70,25 +67,3 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Release connections; idempotent."""
-
-
-def open_store(url: str) -> Store:
-    """Build a store from a URL (``sqlite:///PATH`` or ``redis://HOST:PORT/DB``).
-
-    Args:
-        url: the ``MX_STORE`` setting.
-
-    Returns:
-        An open store.
-
-    Raises:
-        ConfigError: the URL scheme is not one of ``modelexpress.settings.STORE_SCHEMES``.
-        StoreError: the backend cannot be opened.
-    """
-    if url.startswith("sqlite:///"):
-        from modelexpress.server.store.sqlite import SqliteStore
-        return SqliteStore(url[len("sqlite:///"):])
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from modelexpress.server.store.redis import RedisStore
-        return RedisStore(url)
-    raise ConfigError(f"unsupported store URL {url!r}; use {STORE_FORMS}")

@@ -1,5 +1,8 @@
 """Signatures on artifact sets: compiled code is installed only from a key the operator set.
 
+Below :mod:`modelexpress.settings`, which checks ``MX_ARTIFACT_KEY`` at start-up, and
+:mod:`modelexpress.artifacts`, which signs and verifies with it.
+
 The key is a shared secret (``MX_ARTIFACT_KEY``) that every engine of a fleet gets
 from the operator (a Kubernetes Secret): a source signs its artifact identity and the
 canonical form of its artifact set with HMAC-SHA256, a target recomputes it and installs nothing unless the
