@@ -164,3 +164,166 @@ def test_identity_is_content_addressed_and_versionless() -> None:
     assert ModelIdentity(model="m", tp_size=2, rank=0).id != a.id
     with pytest.raises(errors.ConfigError, match="rank"):
         ModelIdentity(model="m", tp_size=2, rank=2)
+
+
+# Where each mapped package's source lives (setup.py's package-dir mapping).
+_SOURCE_ROOTS = {"modelexpress": "modelexpress", "modelexpress.server": "server",
+                 "modelexpress.engines": "engines"}
+
+
+def _project_modules() -> dict[str, pathlib.Path]:
+    """Every project module by dotted name (a package by its ``__init__.py``)."""
+    modules = {}
+    for package, folder in _SOURCE_ROOTS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _import_graph() -> dict[str, dict[str, str]]:
+    """module -> {module it imports: "file:line"}, from every ``import`` and ``from``
+    statement, at module level, under ``TYPE_CHECKING`` or inside a function alike.
+
+    A name a package's ``__init__`` re-exports counts as an import of the module that
+    defines it, and a package's ``__init__`` importing its own modules is no edge: a
+    re-export ties nothing together.
+    """
+    import ast
+
+    modules = _project_modules()
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+
+    def is_package(name: str) -> bool:
+        return modules[name].name == "__init__.py"
+
+    def owner(dotted: str) -> str | None:  # the project module a dotted name lives in
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    def base(name: str, node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        parts = name.split(".")[:len(name.split(".")) - node.level + is_package(name)]
+        return ".".join(parts + ([node.module] if node.module else []))
+
+    reexports: dict[str, dict[str, str]] = {}
+    for name, tree in trees.items():
+        if is_package(name):
+            reexports[name] = {alias.asname or alias.name: f"{base(name, node)}.{alias.name}"
+                               for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                               for alias in node.names}
+
+    def resolve_from(package: str, attr: str, hops: int = 0) -> str:
+        target = owner(reexports.get(package, {}).get(attr, package)) or package
+        if target != package and is_package(target) and hops < 8:
+            return resolve_from(target, attr, hops + 1)
+        return target
+
+    graph: dict[str, dict[str, str]] = {name: {} for name in modules}
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            targets: list[str | None] = []
+            if isinstance(node, ast.Import):
+                targets = [owner(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                src = base(name, node)
+                for alias in node.names:
+                    if f"{src}.{alias.name}" in modules:
+                        targets.append(f"{src}.{alias.name}")
+                    elif (found := owner(src)) is not None and is_package(found):
+                        targets.append(resolve_from(found, alias.name))
+                    else:
+                        targets.append(owner(src))
+            for target in targets:
+                if target is None or target == name:
+                    continue
+                if is_package(name) and target.startswith(name + "."):
+                    continue  # a package's face re-exporting its own modules
+                where = f"{modules[name].relative_to(ROOT)}:{node.lineno}"
+                graph[name].setdefault(target, where)
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(graph.get(nxt, {}))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        out.append(sorted(component))
+    return out
+
+
+def _describe(graph: dict[str, dict[str, str]], cycles: list[list[str]]) -> str:
+    lines = []
+    for component in cycles:
+        lines.append("circle: " + ", ".join(component))
+        lines += [f"  {a} -> {b} ({graph[a][b]})" for a in component for b in graph[a]
+                  if b in component]
+    return "\n".join(lines)
+
+
+def _part(module: str) -> str:
+    """The part of the house a module belongs to: its subpackage (``modelexpress.p2p``,
+    ``modelexpress.server``, ...) or, at the top, the module itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_project_modules_import_each_other_in_one_direction() -> None:
+    # Imports inside functions count: a lazy import back up is still a circle, and
+    # the next change moves it to the top of the file.
+    graph = _import_graph()
+    assert "modelexpress.p2p.target" in graph and "modelexpress.server.store.base" in graph
+    assert "modelexpress.p2p.result" in graph["modelexpress.p2p.target"]  # edges are read
+    cycles = _cycles(graph)
+    assert not cycles, "import circles between project modules:\n" + _describe(graph, cycles)
+
+
+def test_packages_import_each_other_in_one_direction() -> None:
+    # The same one level up: modules of p2p importing local while a local module imports
+    # p2p (or settings importing a package that imports settings) is a layer that
+    # reaches back up, even without a circle of files.
+    parts: dict[str, dict[str, str]] = {}
+    for module, targets in _import_graph().items():
+        edges = parts.setdefault(_part(module), {})
+        for target, where in targets.items():
+            if _part(target) != _part(module):
+                edges.setdefault(_part(target), f"{module} -> {target}, {where}")
+    cycles = _cycles(parts)
+    assert not cycles, "import circles between packages:\n" + _describe(parts, cycles)
