@@ -9,7 +9,7 @@ and pulls the same model once more with ``modelexpress pull`` to show where a sm
 pull's time goes (process start and imports, control plane, NIXL agent, registration,
 connection, data plane, writing the output). It prints a summary (bytes, seconds,
 GB/s, loading the same checkpoint from disk, and what a pull does on a GPU host, read
-from the recorded runs in ``docs/gpu-logs``), and shuts everything down, checking each
+from the recorded runs in ``bench/results``), and shuts everything down, checking each
 process exits cleanly.
 
 The ``modelexpress demo`` command is :func:`demo_command`; like every command it
@@ -38,9 +38,10 @@ from modelexpress._subproc import ModuleProcess, clean_env
 
 __all__ = ["DemoResult", "GpuReference", "run_demo", "gpu_reference", "demo_command"]
 
-# The recorded GPU run the demo quotes: bench/p2p.py --gpu on a 2x H200 (NVLink) host.
-GPU_LOG = "docs/gpu-logs/2026-11-29-s2/run7-bench_p2p_gpu.log"
-GPU_ENV_LOG = "docs/gpu-logs/2026-11-29-s2/run6-env.log"
+# The recorded GPU run the demo quotes: bench/p2p.py --gpu on a 2x H200 (NVLink) host
+# (docs/benchmarks.md, "P2P pull end to end").
+GPU_LOG = "bench/results/2026-11-29-h200x2/p2p_gpu.log"
+GPU_ENV_LOG = "bench/results/2026-11-29-h200x2/env.log"
 
 _START_DEADLINE_S = 120.0  # imports are slow on a loaded 2-core machine
 

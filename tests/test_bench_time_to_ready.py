@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LOGS = ROOT / "docs" / "cpu-logs" / "2026-12-01-issue20-time-to-ready"
+LOGS = ROOT / "bench" / "results" / "2026-12-01-cpu2" / "time_to_ready"
 
 
 def _bench():  # noqa: ANN202 - the module
