@@ -153,7 +153,7 @@ def _pull(fleet: Fleet, host: Host, out: pathlib.Path, model: str,
 
 
 # all-MiniLM-L6-v2's bytes (its 104 fp32 tensors), the size of the uniform checkpoint
-# where the model's package is not installed (the GPU machine) and only that one runs.
+# where the model's package is not installed (the H200 host) and only that one runs.
 MINILM_BYTES = 90_856_960
 
 

@@ -19,7 +19,7 @@ installed, the source also times registering its tensors with NIXL (per tensor; 
 arena chunk) and the agent metadata size: the cost a source would skip if every peer
 were local.
 
-Two more modes (issue #24):
+Two more modes:
 
 ``--host`` (CPU): a source process loads a generated Llama-shaped checkpoint into a
 memfd-backed buffer (``load_checkpoint_shared``, what ``modelexpress publish`` does)
@@ -32,7 +32,7 @@ first, ``_huge``: in transparent huge pages), the pull into a new destination
 (``allocate_like``, as ``modelexpress pull`` does) and into a touched one, loading the
 same checkpoint from a warm page cache (``time_disk_load``), and the copy strategies
 one by one (each a whole pull: connect, map, copy, digests, close): copies from the
-mapping with torch (the transport before issue #24), ``pread`` on one thread then on
+mapping with torch (the transport's first design), ``pread`` on one thread then on
 N threads with digests after the copy, and with digests alongside; ``pull_*`` rows
 read the checkpoint file's page cache (what ``pull`` does from a source that
 ``modelexpress publish`` loaded), ``*_memfd`` rows pull the same from a second
@@ -60,10 +60,10 @@ runs, on a shared CI machine the steadier figure). Cases ``1gib``
 process serves ``--layers`` layers of the 70B TP=8 rank on cuda:0; each target is a
 fresh process that pulls three times onto cuda:0 (``modelexpress.local.pull``,
 digests verified), in three modes: ``auto`` (the code as shipped: the pull loads the
-shipped digest kernel through the driver as it starts), ``triton-bg`` (issue #24's
-first fix: no shipped kernel, the Triton kernel builds on a background thread and
-digests use the torch form until it is ready) and ``inline`` (the code before issue
-#24: the first verification waits for the Triton kernel, ``impl="triton"``); each with
+shipped digest kernel through the driver as it starts), ``triton-bg`` (what runs where
+the driver refuses the shipped kernel: the Triton kernel builds on a background thread
+and digests use the torch form until it is ready) and ``inline`` (no warm-up at all:
+the first verification waits for the Triton kernel, ``impl="triton"``); each with
 empty caches (``TRITON_CACHE_DIR`` and the driver's PTX cache ``CUDA_CACHE_PATH``
 fresh: a machine's first engine) and with warm ones. The later pulls start once any
 build is done (the target waits for it, untimed, as a pull a few seconds later finds
@@ -369,7 +369,7 @@ def _variant(endpoint: Any, manifest: Any, dest: dict[str, Any], how: str) -> fl
     t0 = time.perf_counter()
     with LocalSession(endpoint) as s:
         order = sorted(manifest.tensors, key=lambda t: t.addr)
-        if how == "mapped_torch":  # before issue #24: torch copy_ out of the mapping
+        if how == "mapped_torch":  # the first design: torch copy_ out of the mapping
             import ctypes
             for t in order:
                 if t.nbytes:
@@ -419,8 +419,7 @@ def _settle() -> None:
     parallel copy they spin for a few milliseconds (libgomp's spin-wait), and a pull
     timed in that window shares the cores with them (the 16-core host, a 70 MB pull
     into touched memory: 7.6 ms as the first pull after a memcpy, 3.0-3.5 ms later in
-    the same round; docs/gpu-logs/2026-12-03-s13/probe_touched*.log). Every row waits
-    alike, the baselines too."""
+    the same round). Every row waits alike, the baselines too."""
     time.sleep(0.05)
 
 
@@ -732,9 +731,8 @@ def gpu_target(args: argparse.Namespace) -> None:
     from modelexpress.transfer import digest
     from modelexpress.transfer.manifest import Manifest
     if args.gpu_target == "triton-bg":
-        # Issue #24's first fix, for comparison: no shipped kernel (bench-only: as where
-        # the driver refuses it), the Triton build in the background, the torch form
-        # until it is ready.
+        # For comparison: no shipped kernel (bench-only: as where the driver refuses
+        # it), the Triton build in the background, the torch form until it is ready.
         digest._cuda_refused = "disabled by bench/local.py --gpu-first (mode triton-bg)"
     info = json.load(open(args.info))
     endpoint = LocalEndpoint.from_json(info["endpoint"])
@@ -754,7 +752,7 @@ def gpu_target(args: argparse.Namespace) -> None:
         used = digest.forms_used()
         t0 = time.perf_counter()
         if args.gpu_target == "inline" and i == 0:
-            # Before issue #24: the first verification waited for the kernel.
+            # Without a warm-up: the first verification waits for the kernel.
             r = pull(endpoint, manifest, dest, verify=False)
             tv = time.perf_counter()
             got = digest.digest_many(list(dest.values()), digest.WSUM, impl="triton")

@@ -1,4 +1,4 @@
-"""What relaying costs a pull that starts alone (issue #22): a holder pull vs a plain one.
+"""What relaying costs a pull that starts alone: a holder pull vs a plain one.
 
 A vLLM engine's pull is a fleet-relay holder (``relay_read`` + ``relay_serve``, from
 ``MX_RELAY``): it reads through the relay reader and publishes, then withdraws, a

@@ -9,7 +9,7 @@ For each store a real server (``python -m modelexpress.server``) runs on 127.0.0
    whatever the replies do, so a slow server shows as latency, not as a lower rate);
 3. saturation: 32 clients in a closed loop, for the maximum request rate.
 
-Goal (issue 4): p99 under 10 ms at 500 requests/s on the 2-core CPU machine. The
+Goal: p99 under 10 ms at 500 requests/s on a 2-core CPU machine. The
 ratio printed is load p99 over baseline p99 (the cost of the store on top of HTTP).
 Latency is measured from the moment a request is sent; ``p99_sched`` is measured
 from its scheduled time (it also counts the load generator's own lag).

@@ -44,7 +44,7 @@ CPU from the writer and measure the scheduler. ``--reader-spin`` keeps vLLM's
 (at most 2 s) until the CPUs were less than 15% busy for 50 ms, so that another
 path's teardown is not timed (``quiet_wait_{n}r_ms_median_max`` reports it).
 
-``--gpu`` (GPU machine; vLLM-free, since that machine has no vLLM): a forked
+``--gpu`` (a GPU host; vLLM-free, so it runs where vLLM is not installed): a forked
 reader that made its CUDA context first attaches to an arena (pinned at attach
 by ``cudaHostRegister``) and copies each 200 MiB tensor to the GPU; the same for
 a fresh pageable buffer (what the default path's ZMQ frame is) and for a
@@ -215,7 +215,7 @@ def _gpu_reader(handle: Any, conn: Any, n_bytes: int, reps: int) -> None:
 def gpu_main(reps: int, main_bytes: int) -> dict[str, Any]:
     """H2D in a reader with a CUDA context: arena (pinned) vs pageable vs pinned ceiling.
 
-    vLLM-free (the GPU machine has no vLLM): the writer is an ArenaWriter in this
+    vLLM-free (the H200 host has no vLLM): the writer is an ArenaWriter in this
     process, the reader a forked process that made its CUDA context first, as a
     vLLM worker does; stubs travel over a pipe.
     """

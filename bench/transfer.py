@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sets (CI smoke)")
-    parser.add_argument("--gpu", action="store_true", help="GPU0 -> GPU1 mode (GPU machine)")
+    parser.add_argument("--gpu", action="store_true", help="GPU0 -> GPU1 mode (two GPUs)")
     parser.add_argument("--repeat", type=int, default=5, help="reads per case (best is kept)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

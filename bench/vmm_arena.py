@@ -10,7 +10,7 @@ a pinned host buffer (on CUDA) or a host buffer (CPU), then synchronises.
 * host (``--backend host``, or no GPU): ``torch.empty`` vs ``VmmArena.empty`` on the
   host backend (memfd pages).
 
-Targets (issue 2): arena overhead (reserved - tensor bytes) <= 2% of tensor bytes;
+Targets: arena overhead (reserved - tensor bytes) <= 2% of tensor bytes;
 arena load time <= 1.05 x stock. Runs alternate stock/arena, medians reported. The
 last output line is one JSON object.
 """

@@ -7,7 +7,7 @@ threads), so a job never waits for a thread to start, and a job run from a pool
 thread cannot deadlock the pool: the caller alone finishes every item no other thread
 took, and it waits only for the items other threads have started (:func:`run_shared`).
 
-Why kept: starting a thread costs ~0.4 ms on the CI machine (``Thread.start`` waits for
+Why kept: starting a thread costs ~0.4 ms on a 2-core VM (``Thread.start`` waits for
 the new thread to run), and a pool per pull started two of them for a 70 MB pull that
 copies in ~4 ms (profiled: bench/local.py --host, docs/benchmarks.md). Idle threads wait
 on the pool's queue and cost nothing.

@@ -84,7 +84,7 @@ def allocate_slab(specs: Iterable[tuple[str, tuple[int, ...], "torch.dtype"]],
     """Empty tensors carved, in order, from ONE allocation on ``device``.
 
     Why: a set of tensors in one allocation is one NIXL region and, on NVLink, one
-    CUDA IPC handle for the peer to open. Measured on the GPU machine: a pull of 99
+    CUDA IPC handle for the peer to open. Measured on an H200 host: a pull of 99
     separately allocated tensors (7.5 GB) ran at 160 GB/s, most of it spent opening
     99 IPC handles, while one carved buffer reads at the peer-copy rate. (The VMM
     arena gives one region too, but UCX cuda_ipc cannot serve VMM memory.) Tensors

@@ -28,7 +28,7 @@ def _has(module: str) -> bool:
 
 
 _REASONS = {
-    "gpu": (_cuda_available, "no CUDA device (CI machines have none; run on the GPU machine)"),
+    "gpu": (_cuda_available, "no CUDA device (CI machines have none; run on a GPU host)"),
     # The nixl-cu12 / nixl-cu13 wheels install their module as nixl_cu12 / nixl_cu13;
     # only the `nixl` meta package provides the plain name.
     "nixl": (lambda: any(_has(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")),

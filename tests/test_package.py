@@ -106,7 +106,7 @@ DOCTOR_ON_CI = {
     "torch": {"ok"},
     "/dev/shm": {"ok"},
     "vmm C extension": {"ok"},
-    "CUDA VMM arena": {"info", "ok"},  # info: no GPU on CI; ok on the GPU machine
+    "CUDA VMM arena": {"info", "ok"},  # info: no GPU on CI; ok on an H200 host
     "vmm host self-test": {"ok"},
     "nixl": {"ok"},
     "nixl plugins": {"ok"},

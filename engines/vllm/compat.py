@@ -1,7 +1,7 @@
 """What differs between the vLLM releases the loader runs on (0.26, 0.32, 0.33).
 
 The loader is tested against three releases: vLLM 0.26.0 (the newest that pins
-``torch==2.11.0``, the torch of this project's GPU machine), vLLM's CPU build 0.32.0
+``torch==2.11.0``, the torch of the H200 host the GPU tests ran on), vLLM's CPU build 0.32.0
 (CI's engines) and 0.33.0's Python files. Where their loader API differs the gate
 is here, decided by what the module offers (a structural check), not by the
 version string: a patched or backported vLLM then takes the right branch too.

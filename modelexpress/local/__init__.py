@@ -1,7 +1,7 @@
 """The local transport: peers on one host share memory through descriptors, not NIXL.
 
 UCX does not use ``cuda_ipc`` for VMM memory nor for a same-GPU peer (it falls back
-to TCP, issue #12), so a source on the same host serves its memory itself: a Unix
+to TCP), so a source on the same host serves its memory itself: a Unix
 socket in ``MX_IPC_DIR`` hands out memfds (host memory), POSIX-fd VMM handles and CUDA
 IPC handles to peers that present the source's credential, and the target copies
 with the copy engine (GPU) or memcpy (host) straight into its tensors.

@@ -397,7 +397,7 @@ def _plan(session: LocalSession, pairs: Sequence[Any], dst: Mapping[str, "torch.
 
     A device copy is merged only within one source group and one destination
     allocation: cuMemcpy refuses a range that spans two cudaMalloc allocations, even
-    adjacent ones (seen on the GPU machine: CUDA_ERROR_INVALID_VALUE). VMM chunks mapped
+    adjacent ones (seen on an H200 host: CUDA_ERROR_INVALID_VALUE). VMM chunks mapped
     side by side (a source arena imported into one range; a destination arena) merge.
     Host-to-host runs merge within one source memfd (one ``pread`` reads one file).
     """

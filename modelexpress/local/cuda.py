@@ -8,7 +8,7 @@ Source (export):
   chunk must have been created with that handle type requested (the arena does,
   ``CudaVmmBackend(handle_type="posix_fd")``). The descriptor travels by SCM_RIGHTS,
   so no ptrace rights or shared PID namespace are needed (UCX's POSIX-fd path needs
-  both, issue #12).
+  both).
 * other device memory (``cudaMalloc``, PyTorch's caching allocator) is shared with a
   legacy CUDA IPC handle of the whole allocation (``cuMemGetAddressRange`` finds it).
 
@@ -321,7 +321,7 @@ class CudaMapping(ClosedOnCollect):
     def group_of(self, src_addr: int) -> int:
         """The group of the mapped segment holding ``src_addr``: one CUDA IPC mapping, or
         one reserved range of imported VMM chunks. A copy may span chunks of one range
-        (one cuMemcpy across two imported chunks worked on the GPU machine, bench/local.py
+        (one cuMemcpy across two imported chunks worked on an H200, bench/local.py
         ``copy_across_vmm_chunks``) but never two legacy allocations (refused with
         CUDA_ERROR_INVALID_VALUE there)."""
         import bisect

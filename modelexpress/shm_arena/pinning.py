@@ -14,7 +14,7 @@ has completed. Unpinned, ``cudaMemcpyAsync`` from pageable memory returns only
 after the source was staged, so the slot can be released at once.
 
 A :class:`Pinner` is passed to the reader as an object: :class:`CudaPinner` on a
-GPU machine, :class:`NoPinner` elsewhere, a test fake in CPU tests.
+GPU host, :class:`NoPinner` elsewhere, a test fake in CPU tests.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ device, and the PTX where the driver finds no machine code for the GPU in it (or
 refuses it): the driver translates the PTX (and caches that translation on disk, its
 JIT cache). No compiler runs here and nothing is built on a background thread. The
 Triton kernel (``_wsum_triton``) costs a compile, or a load from Triton's cache
-through a lot of Python, in every fresh process (issue #24); this costs one driver
+through a lot of Python, in every fresh process; this costs one driver
 call. Where the driver refuses both (a driver older than the PTX ISA, a GPU older than
 compute 7.5), :func:`load` raises and ``digest`` uses the Triton or torch form.
 

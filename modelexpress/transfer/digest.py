@@ -17,7 +17,7 @@ Five algorithms, named in the manifest so that source and target agree:
     was several pieces that one thread after another had to feed to one hash state,
     in order, partly from the shared cache; with 1 MiB blocks each piece is its own
     block, hashed by the thread that copied it (a 70 MB pull into touched memory on 16
-    cores; docs/benchmarks.md, "Blocks of 1 MiB"). Above it ``b8m`` keeps a large
+    cores; docs/benchmarks.md, "Local transport on host memory"). Above it ``b8m`` keeps a large
     model's blocks, and its copy's pieces, few. CPU tensors only, from the ``xxhash``
     package.
 
@@ -51,7 +51,7 @@ Five algorithms, named in the manifest so that source and target agree:
        (:mod:`~modelexpress.transfer._wsum_cuda`), loaded by the CUDA driver with one
        call per device and process (the driver caches its translation of the PTX). A
        pull loads it when it starts (:func:`warm_up`), so a fresh process's first
-       verification runs at the speed of the later ones (issue #24).
+       verification runs at the speed of the later ones.
     2. ``triton``: the one-pass Triton kernel, where the driver refuses the PTX (an
        old driver or GPU). It is compiled on a machine's first use and loaded once per
        process and device, which costs far more than a digest, so it is never built on

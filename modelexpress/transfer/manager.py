@@ -80,7 +80,7 @@ _REPORT_POLL_S = 5.0
 # A serving agent's progress loop sleeps this long between polls. Bytes move one-sided
 # on RDMA, CMA and cuda_ipc; UCX over TCP emulates a READ and answers it here, so this
 # is the most a request waits before its answer starts (a relay's pieces take tens of
-# ms on a 100 Mbit/s link). 0.5 ms cost 8% of a core per idle source (issue #22's
+# ms on a 100 Mbit/s link). 0.5 ms cost 8% of a core per idle source (bench/cluster.py's
 # fleet runs: one per agent); 2 ms costs 2-3%.
 _SERVE_POLL_S = 0.002
 # read(patient=True): polls of a chunk before sleeping, and the longest sleep.
@@ -204,7 +204,7 @@ class NixlTransferManager(ClosedOnCollect):
         # Skip regions already covered by an earlier registration of this agent. NIXL
         # publishes every registration in the agent metadata, and a peer refuses the
         # whole metadata (NIXL_ERR_NOT_ALLOWED in loadRemoteSections) when one
-        # (addr, len, dev) appears twice with different keys: seen on the GPU machine
+        # (addr, len, dev) appears twice with different keys: seen on an H200 host
         # when two tensor sets shared caching-allocator segments.
         index = RegionIndex(self.registered_regions(mem))
         fresh = [r for r in regions if index.containing(r[0], r[0] + r[1], r[2]) is None]

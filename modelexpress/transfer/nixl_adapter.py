@@ -9,7 +9,7 @@ message names the operation, the peer, the size and what to do. A test enumerate
 the classes exported by the installed bindings and fails if one is missing here.
 
 The wheel is ``nixl-cu12`` (module ``nixl_cu12``) on CPU machines and ``nixl-cu13``
-on the GPU machine; the ``nixl`` meta package provides the plain name. We take the
+on CUDA 13 hosts; the ``nixl`` meta package provides the plain name. We take the
 first one installed.
 """
 
@@ -175,7 +175,7 @@ def _ensure_cuda_context() -> None:
 
     UCX decides what its CUDA transports can do when the backend is created; a
     process whose CUDA context did not exist yet then moved VRAM at ~0.5 GB/s (the
-    TCP fallback) on the GPU machine, while the same READ after a CUDA call ran on
+    TCP fallback) on an H200 host, while the same READ after a CUDA call ran on
     cuda_ipc. Only a process that already imported torch and sees a GPU is touched,
     and only its current device (set it with ``torch.cuda.set_device`` first), so
     CPU-only users and the other GPUs pay nothing.

@@ -4,8 +4,8 @@
    difference is a :class:`ManifestMismatchError` before any byte moves; names on
    one side only are an error unless the caller allows a partial transfer.
 2. **Coalesce**: NIXL posts each descriptor separately (~5 us each) and does not
-   merge adjacent ones (3000 tensors: 139 GB/s vs 396 GB/s as one descriptor on the
-   GPU machine). Pairs are walked in source address order; a pair whose local *and*
+   merge adjacent ones (3000 tensors: 139 GB/s vs 396 GB/s as one descriptor
+   between two H200s). Pairs are walked in source address order; a pair whose local *and*
    remote bytes directly follow the previous descriptor's is merged into it, as
    long as the merged span stays inside one registered region on each side (NIXL
    rejects a descriptor that straddles two registrations).

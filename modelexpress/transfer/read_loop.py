@@ -280,7 +280,7 @@ class ReadLoop:
                                              f"{c.nbytes}-byte probe: {probe_verdict.message}")
                 # Refill the window before verifying: digests of this chunk then run
                 # while the next chunks move, instead of holding up their posting
-                # (that stall cost 60% of the rate on the GPU machine).
+                # (that stall cost 60% of the rate on an H200 host).
                 post_more()
                 self._verify(ci)
                 if self.progress is not None:

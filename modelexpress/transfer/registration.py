@@ -3,7 +3,7 @@
 ``per_tensor``
     One region per tensor (overlapping tensors, e.g. views, merged). Always valid.
     Costs one registration each: 128-238 ms and 751 KB of agent metadata for 3000
-    tensors on the GPU machine, vs 0.7 KB for one region.
+    tensors on an H200 host, vs 0.7 KB for one region.
 ``spans``
     For DRAM: the union of tensors that touch or overlap (one region per run).
     For VRAM: one region per underlying storage (a cudaMalloc block can be named by

@@ -1,6 +1,6 @@
 """What transport a READ should use, what rate it must reach, and the verdict.
 
-Why this exists: on this project's GPU machine (NIXL 1.5.1, UCX 1.23, 2x H200) UCX
+Why this exists: on a 2x H200 host (NIXL 1.5.1, UCX 1.23) UCX
 cannot open CUDA VMM (``cuMemCreate``) memory over ``cuda_ipc``; it logs
 ``unsupported key handle type: 0`` and silently moves the bytes over TCP, with
 correct data and no NIXL error (GPU.md). That must never pass silently. The signals:

@@ -83,7 +83,7 @@ def maybe_enter_vmm_arena(enabled: bool, device: int = 0,
         from modelexpress.vmm.backend import CudaVmmBackend
         try:
             # "auto": chunks exportable as POSIX fds where the device supports it, so
-            # the local transport can serve them to peers on this host (issue #12).
+            # the local transport can serve them to peers on this host.
             arena = VmmArena(total_bytes, device, CudaVmmBackend(device, handle_type="auto"),
                              use_extension=True)
         except (ArenaError, BackendError) as exc:

@@ -26,7 +26,7 @@ __all__ = ["Fleet", "MODEL", "MX", "START_DEADLINE_S"]
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 # The console script next to this interpreter (the venv's modelexpress); where the
-# package was installed without it there (the GPU machine's system Python puts scripts
+# package was installed without it there (the H200 host's system Python puts scripts
 # elsewhere), the same CLI through the interpreter.
 _SCRIPT = pathlib.Path(sys.executable).parent / "modelexpress"
 MX: list[str] = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "modelexpress"]
@@ -61,7 +61,7 @@ class Fleet:
     def _clean(extra: dict[str, str]) -> dict[str, str]:
         import os
         # UCX_MODULE_DIR says where UCX's transports are (a NIXL wheel installed with
-        # --target, as on the GPU machine); every other UCX_ setting is the test's.
+        # --target, as on an H200 host); every other UCX_ setting is the test's.
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("MX_", "UCX_")) or k == "UCX_MODULE_DIR"}
         env.update(extra)

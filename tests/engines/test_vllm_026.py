@@ -1,6 +1,6 @@
-"""The loader against vLLM 0.26.0, the release this project's GPU machine runs.
+"""The loader against vLLM 0.26.0, the release the H200 host's GPU tests ran.
 
-vLLM 0.26.0 is the newest release that pins ``torch==2.11.0`` (the GPU machine's
+vLLM 0.26.0 is the newest release that pins ``torch==2.11.0`` (the H200 host's
 torch; 0.32/0.33 pin newer builds), so whole GPU engines are verified with it
 (``test_vllm_gpu_engine.py``). Here, on CPU, its Python files (``./dev`` puts them in
 ``.venv/vllm-0.26``) import on torch 2.13 CPU: its compiled ops do not load without

@@ -1,6 +1,6 @@
 """Compiled artifacts between whole vLLM GPU engines (vLLM's default compilation, CUDA graphs).
 
-On the GPU machine (vLLM 0.26.0 staged by ``scripts/gpu_run.sh vllm-stage``), one GPU,
+On an H200 host (vLLM 0.26.0 staged by ``scripts/gpu_run.sh vllm-stage``), one GPU,
 offline ``vllm.LLM`` engines in their own processes (``vllm_gpu_engines.LlmEngine``),
 a real control plane on 127.0.0.1, each engine with its own ``VLLM_CACHE_ROOT``:
 
@@ -38,7 +38,7 @@ from mx_server_procs import TOKEN, ServerProc  # noqa: E402
 pytestmark = [
     pytest.mark.gpu, pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("MX_GPU_ENGINE_TESTS") != "1",
-                       reason="whole GPU engines: run on the GPU machine with "
+                       reason="whole GPU engines: run on a GPU host with "
                               "`scripts/gpu_run.sh vllm-stage vllm-pytest`, which sets "
                               "MX_GPU_ENGINE_TESTS=1 (CI has no GPU)"),
 ]

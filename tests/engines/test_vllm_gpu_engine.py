@@ -2,7 +2,7 @@
 
 Each engine is an offline ``vllm.LLM`` in its own process (``vllm_gpu_llm.py``), with a
 real control-plane server (``python -m modelexpress.server``, SQLite) on 127.0.0.1.
-On the GPU machine vLLM is 0.26.0 staged from carried files
+On an H200 host vLLM is 0.26.0, staged from its parts
 (``scripts/gpu_run.sh vllm-stage``). A engines load a random bf16 Llama from disk with
 ``load_format="modelexpress"`` (vLLM's built-in wrapper of our loader) and serve it;
 B engines start with the checkpoint's weights moved away and must pull from A over
@@ -38,7 +38,7 @@ from mx_server_procs import TOKEN, ServerProc  # noqa: E402
 pytestmark = [
     pytest.mark.gpu, pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("MX_GPU_ENGINE_TESTS") != "1",
-                       reason="whole GPU engines: run on the GPU machine with "
+                       reason="whole GPU engines: run on a GPU host with "
                               "`scripts/gpu_run.sh vllm-stage vllm-engine`, which sets "
                               "MX_GPU_ENGINE_TESTS=1 (CI has no GPU)"),
 ]

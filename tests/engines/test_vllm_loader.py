@@ -480,7 +480,7 @@ def test_pull_failing_midway_falls_back_and_recreates(mx_env, model_dir, tmp_pat
 @pytest.mark.slow
 def test_gpu_pull_between_vmm_arena_workers(mx_env, model_dir, tmp_path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPU machine: a source process and this target both load onto CUDA inside the VMM
+    """A GPU host: a source process and this target both load onto CUDA inside the VMM
     arena (``MX_VMM_ARENA=1``, ``UCX_CUDA_COPY_REG_WHOLE_ALLOC=off``); the target pulls
     every tensor byte-exact. With two GPUs the source runs on the second one.
 

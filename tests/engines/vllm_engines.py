@@ -12,7 +12,7 @@ kills whatever a crashed test left running.
 Defaults every engine gets (``env`` / ``extra_args`` override them): eager mode
 (``enforce_eager=False``: vLLM's default compilation),
 float32, a 256-token context, a 1 GiB KV cache, offline Hugging Face, and an
-OpenMP binding that lets two engines share this project's 2-core CI machines
+OpenMP binding that lets two engines share a 2-core CI machine
 (:func:`omp_threads_bind`).
 
 Usage::

@@ -1,7 +1,7 @@
 """Offline vLLM engines in their own processes, for the GPU engine tests.
 
 :func:`write_tiny_llama` writes a random Llama checkpoint (config.json +
-model.safetensors) with torch and safetensors only: the GPU machine has no
+model.safetensors) with torch and safetensors only: the H200 host has no
 ``transformers`` models or tokenizer packages to make one with, and the engines run
 with ``skip_tokenizer_init`` and token-id prompts. :class:`LlmEngine` runs
 ``vllm_gpu_llm.py`` (one ``vllm.LLM``) in its own process group with its log in a

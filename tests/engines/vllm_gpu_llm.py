@@ -11,7 +11,7 @@ process: time to ready counts process start and imports), ``serve_until`` (a pat
 after answering, stay alive until it exists, so that peers can pull), and
 ``serve_max_s`` (the bound of that wait).
 
-Settings that make vLLM 0.26 run on the GPU test machine from carried files
+Settings that make vLLM 0.26 run on an H200 host from its staged parts
 (``../shared/GPU_VLLM.md``): the Triton attention backend (no FlashInfer there),
 token-id prompts with ``skip_tokenizer_init`` (no tokenizer files), a small
 ``gpu_memory_utilization`` so that two or three engines share one GPU, and the

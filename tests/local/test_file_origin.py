@@ -1,4 +1,4 @@
-"""A source loaded from a checkpoint file also serves the file's page cache (issue #24).
+"""A source loaded from a checkpoint file also serves the file's page cache.
 
 Real processes (tests/local/_peers.py): the source loads a safetensors checkpoint as
 ``modelexpress publish`` does; targets pull with digests verified and compare every

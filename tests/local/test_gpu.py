@@ -1,4 +1,4 @@
-"""The local transport's CUDA paths (GPU machine only): CUDA IPC and VMM POSIX-fd segments.
+"""The local transport's CUDA paths (GPU hosts only): CUDA IPC and VMM POSIX-fd segments.
 
 Each test runs a real source process (tests/local/_peers.py) and pulls in this
 process; bytes are compared with the seeded data, descriptors counted in both.
@@ -23,7 +23,7 @@ def _two_gpus() -> bool:
 
 
 DEVICES = ["cuda:0", pytest.param("cuda:1", marks=pytest.mark.skipif(
-    not _two_gpus(), reason=f"needs two GPUs (the nvidia-h200-x2 kind); "
+    not _two_gpus(), reason=f"needs two GPUs; "
                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} here"))]
 
 
@@ -54,7 +54,7 @@ def test_gpu_pull_maps_the_source_memory_and_copies_every_byte(make_source, layo
     res = pull(endpoint, manifest, dst, chunk_bytes=8 << 20)
     assert res.transport == "local" and set(res.segments) == {kind}, res
     assert res.verified == len(manifest.tensors)
-    # verified by the shipped kernel, which the pull loaded as it started (issue #24)
+    # verified by the shipped kernel, which the pull loaded as it started
     used = {k: n - before.get(k, 0) for k, n in forms_used().items() if n != before.get(k, 0)}
     assert used == {"cuda": len(manifest.tensors)}, used
     assert _equal(src, dst)

@@ -1,4 +1,4 @@
-"""GPUs by UUID across processes, on a real GPU (GPU machine only; #23).
+"""GPUs by UUID across processes, on a real GPU (GPU hosts only).
 
 Source and target run as separate processes, each with ``CUDA_VISIBLE_DEVICES`` set
 to the GPU's UUID (what engines pinned to GPUs and containers see): the source

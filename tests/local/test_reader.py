@@ -60,7 +60,7 @@ def test_another_node_or_an_invisible_socket_or_off_reads_over_nixl(make_source,
 
 def test_options_come_from_mx_settings(monkeypatch):
     pytest.importorskip("pydantic_settings", reason="the settings need pydantic-settings "
-                        "(CI has it; the GPU machine does not)")
+                        "(CI has it; the H200 host does not)")
     from modelexpress.settings import MxSettings
     monkeypatch.setenv("MX_NODE_NAME", "node-a")
     monkeypatch.setenv("MX_IPC_DIR", "/run/mx")

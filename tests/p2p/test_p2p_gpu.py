@@ -1,6 +1,6 @@
 """P2P on GPUs: a source on cuda:0 in one process, the target in this one.
 
-Runs on the GPU machine; skipped elsewhere by the ``gpu`` marker. Source and target
+Runs on a GPU host; skipped elsewhere by the ``gpu`` marker. Source and target
 share the host, so a default pull goes over the local transport; the NIXL test turns
 it off on the target (``MX_IPC_DIR=off``) to check what UCX does with VRAM.
 """
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.nixl]
 def test_gpu0_source_to_gpu1_target_through_the_server(cluster: Cluster,
                                                        tmp_path: pathlib.Path) -> None:
     if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+        pytest.skip("needs two GPUs")
     ckpt = tmp_path / "ckpt"
     generate_llama_checkpoint(ckpt, LlamaShape(layers=2, vocab=32000), seed=7)
     proc = cluster.start(["publish", str(ckpt), "--model", "gpu-test", "--device", "cuda:0",

@@ -47,7 +47,7 @@ def test_a_relaying_pull_serves_the_pull_behind_it_until_it_is_done_then_withdra
         tmp_path: pathlib.Path) -> None:
     """Host destinations, and GPU ones (the relay serves the first pull's GPU memory;
     on one GPU both pulls are on it, which UCX reads over TCP: a correctness run). A
-    generated 71 MB checkpoint (the GPU machine has no real-model package)."""
+    generated 71 MB checkpoint (the H200 host has no real-model package)."""
     caplog.set_level(logging.INFO, logger="modelexpress.p2p.relay_pull")
     cluster = patient_cluster
     ckpt = tmp_path / "ckpt"

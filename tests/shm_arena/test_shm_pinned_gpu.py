@@ -1,4 +1,4 @@
-"""The shm arena's pinned path with the real CUDA pinner (GPU machine only)."""
+"""The shm arena's pinned path with the real CUDA pinner (GPU hosts only)."""
 
 from __future__ import annotations
 

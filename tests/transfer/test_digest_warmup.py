@@ -1,4 +1,4 @@
-"""The GPU digest kernel is ready before a pull's first verification (issue #24): the
+"""The GPU digest kernel is ready before a pull's first verification: the
 shipped kernel loads as the pull starts; where the driver refuses it, the Triton build
 runs on a background thread and, until it is ready, digests use the torch form.
 
@@ -170,7 +170,7 @@ print(json.dumps(out))
 
 @pytest.mark.gpu
 def test_a_fresh_process_first_gpu_digest_uses_the_shipped_kernel_loaded_at_warm_up():
-    """On the GPU machine: in a fresh process, the warm-up a pull starts with loads the
+    """On an H200 host: in a fresh process, the warm-up a pull starts with loads the
     shipped kernel, so the first digest already runs on it (no torch form, no Triton
     build); the torch form and the Triton kernel give the same digests for 16- and
     4-byte-aligned tensors."""

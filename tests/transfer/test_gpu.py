@@ -1,4 +1,4 @@
-"""The VRAM path (GPU machine): digests on the device, VRAM READs, segment
+"""The VRAM path (a GPU host): digests on the device, VRAM READs, segment
 registration, and the CUDA VMM arena on cuda_ipc. Skipped without CUDA."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from modelexpress.transfer.nixl_adapter import ERROR_MAP, nixl_error_classes, tr
 # NIXL refuses UCX_TLS without a CUDA transport where GPUs are present.
 TCP_ONLY = "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"
 
-# Recorded on the GPU machine (2x H200, NIXL 1.5.1, UCX 1.23; GPU.md, 2026-11):
+# Recorded on a 2x H200 host (NIXL 1.5.1, UCX 1.23; 2026-11):
 GIB2 = 2 << 30
 RECORDED_GPU = {
     # one 2 GiB cudaMalloc region, NIXL READ GPU1 <- GPU0 over cuda_ipc

@@ -7,7 +7,7 @@ def test_a_cold_first_chunk_is_not_read_as_a_fallback() -> None:
     from modelexpress.transfer import assess
     from modelexpress.transfer.transport import COLD_FLOOR_GBPS
 
-    # Recorded on the GPU machine: a fresh agent's first 64 MiB over cuda_ipc (IPC
+    # Recorded on an H200 host: a fresh agent's first 64 MiB over cuda_ipc (IPC
     # handles opened) ran at 5.6 GB/s; VMM memory over the TCP fallback at 0.48 GB/s.
     mib64 = 64 << 20
     assert not assess("cuda_ipc", mib64, mib64 / 5.6e9).ok          # steady: far too slow
