@@ -228,7 +228,7 @@ def _prefault(addr: int, nbytes: int) -> None:
 
     Not before a read from a file's page cache (``HostMapping.from_file``) in Python
     threads: there the faults taken inside the read cost less than populating first
-    (session 12, on the 16-core GPU host, pulls in fresh processes populating first took
+    (on the 16-core H200 host, 2026-12-03, pulls in fresh processes populating first took
     30.5 ms against 18.8 for 70 MB and 112 against 82 ms for 1 GiB). The C loop does
     populate small new pages before such a read (:meth:`HostCopier._copy_native`).
 
@@ -336,12 +336,12 @@ class HostCopier:
         with ``_PREFAULT`` where new destination pages are small ones. A piece read from
         a memfd is always populated first where new. In the C loop each thread
         populates its own piece (``MADV_POPULATE_WRITE``) before reading into it, which
-        on the 16-core GPU host cost less than the faults the read takes itself in small
+        on the 16-core H200 host cost less than the faults the read takes itself in small
         pages (70 MB into new memory: the pull 5.3 against 6.3 ms, a fresh process 7.2
         against 8.0 ms) and more where the pull advised huge pages (1 GiB: 45.0 against
-        41.9 ms, a fresh process 48.2 against 43.5 ms); docs/benchmarks.md, session 23.
-        (In Python threads, session 12, populating first was slower either way:
-        :meth:`_one` does not.)
+        41.9 ms, a fresh process 48.2 against 43.5 ms; 2026-12-05, measured with a probe
+        beside bench/local.py --host). (In Python threads, populating first was slower
+        either way: :meth:`_one` does not.)
 
         One pass over the pieces, which the loop is handed with every range of the
         pull and its digest buffer (``DigestsInPass``): this Python, per piece, is most
