@@ -71,7 +71,7 @@ it). Reported per target: each pull's seconds, every phase of ``pull()``, the ti
 outside them, the digest form that verified it (``verified_by``), the kernel's state
 and build time; ``first_over_later`` is the first pull's seconds over the median of
 the later ones (``first_verify_over_later`` the same for verification), and
-``first_verify_within`` checks the issue's bound (first verification within max(2 x
+``first_verify_within`` checks the bound (first verification within max(2 x
 data plane, 50 ms)). Before the targets, a probe times first-call costs one by one in
 fresh processes (CUDA context, cuda-python import, device UUIDs, stream creation, the
 shipped kernel's load and first call): as loaded (the fatbin), and its PTX alone with

@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if proc.is_alive():
             proc.kill()
     if not gpu:
-        # The keys the issue asks for, with ratios against memcpy.
+        # The keys this bench reports, with ratios against memcpy.
         result["gbps_single"] = result.pop("gbps_single_coalesced")
         result["gbps_3000_coalesced"] = result["gbps_3000_coalesced"]
         result["descriptors_coalesced"] = result["descriptors_3000_coalesced"]

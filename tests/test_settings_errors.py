@@ -1,4 +1,4 @@
-"""A bad MX_* value is one line naming the variable and what it accepts (#16)."""
+"""A bad MX_* value is one line naming the variable and what it accepts."""
 
 from __future__ import annotations
 

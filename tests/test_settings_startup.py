@@ -1,4 +1,4 @@
-"""Settings that cannot work are refused at start-up, not at first use (#23).
+"""Settings that cannot work are refused at start-up, not at first use.
 
 ``MX_NIXL_BACKEND`` is checked against the installed NIXL's plugins (its plugin
 directory; no agent is created), or NIXL's known names where NIXL is absent;

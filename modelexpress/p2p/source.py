@@ -214,7 +214,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
     try:
         t0 = time.perf_counter()
         from modelexpress.local.devices import gpus_of
-        gpus = gpus_of(tensors.values())  # GPUs by UUID for other processes (#23)
+        gpus = gpus_of(tensors.values())  # GPUs by UUID for other processes
         if gpus:
             attributes = {**(attributes or {}), "gpus": gpus}
         if local is not None and local.enabled:

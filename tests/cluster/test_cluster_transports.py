@@ -1,4 +1,4 @@
-"""The transport a pull expects follows the hardware (#23), between namespaced hosts.
+"""The transport a pull expects follows the hardware, between namespaced hosts.
 
 The hosts have no RDMA devices, so between them a pull expects ``tcp``: a TCP pull is
 neither reported slow nor refused under ``MX_REFUSE_SLOW_TRANSPORT=1``. A target whose

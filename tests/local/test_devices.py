@@ -1,4 +1,4 @@
-"""GPUs cross process boundaries by UUID (#23): the device list is faked at the boundary.
+"""GPUs cross process boundaries by UUID: the device list is faked at the boundary.
 
 Two processes with different ``CUDA_VISIBLE_DEVICES`` disagree on what ``cuda:0`` is, so
 a source publishes each device segment under its GPU's UUID and a target maps that to

@@ -5,7 +5,7 @@ to the GPU's UUID (what engines pinned to GPUs and containers see): the source
 publishes its segments under that UUID, the target maps it to its own ordinal and
 copies every byte. A target that cannot see the GPU (``CUDA_VISIBLE_DEVICES=""``)
 refuses the local transport before mapping anything, naming the GPU. (The two-GPU
-permutation, ordinal 0 here being ordinal 1 there, belongs to the two-GPU issue.)
+permutation, ordinal 0 here being ordinal 1 there, needs two GPUs: tests/local/test_gpu.py.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Client and server exchange an API version, and each works with the previous release (#23).
+"""Client and server exchange an API version, and each works with the previous release.
 
 The previous release is a real one: a git worktree of :data:`OLD_RELEASE` (the last
 commit before versions were exchanged) at a temp path, its server started with
@@ -42,7 +42,7 @@ OLD_RELEASE = "fb298dc5482ba6fb5f075bbdc9c01b59acee0b1f"
 
 OLDER_RELEASE = "3fa33f5267d7e80bd90b06603583b4e73a641269"
 """A server from before tracked pulls (no ``run_by_target``, no candidates route): the
-HTTP 422 the issue reports; also version 1, and this client cannot work with it."""
+HTTP 422 such a server answers; also version 1, and this client cannot work with it."""
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _DEADLINE_S = 60.0
@@ -229,7 +229,7 @@ def test_a_whole_pull_through_the_old_server(old_server: OldServer) -> None:
 
 def test_what_a_much_older_server_lacks_is_one_line_naming_both_versions(
         older_server: OldServer) -> None:
-    """The issue's case: a server before tracked pulls answers 422 to run_by_target and
+    """A server from before tracked pulls answers 422 to run_by_target and
     404 to the candidates route; each failure is one line saying whom to upgrade."""
     with MxClient(older_server.url, timeout_s=30, retries=0) as c:
         ident = _identity("older")

@@ -1,4 +1,4 @@
-"""Conflicting sources (#16): a publish whose manifest serves other weights than a READY
+"""Conflicting sources: a publish whose manifest serves other weights than a READY
 source of the same identity is a 409 naming the first differing tensor (real servers)."""
 
 from __future__ import annotations

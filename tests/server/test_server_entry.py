@@ -1,4 +1,4 @@
-"""``python -m modelexpress.server`` fails to start with one line and an exit code (#16):
+"""``python -m modelexpress.server`` fails to start with one line and an exit code:
 real processes, a real busy port, a real unreachable Redis."""
 
 from __future__ import annotations

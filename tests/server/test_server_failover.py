@@ -1,4 +1,4 @@
-"""Server replicas (#13): clients configured with several server URLs fail over between
+"""Server replicas: clients configured with several server URLs fail over between
 them. Two real uvicorn replicas on one real Redis, workers talking real HTTP through
 MxClient: kill a replica (SIGKILL) mid-traffic, restart Redis mid-traffic.
 

@@ -1,4 +1,4 @@
-"""Server replicas with the real workers (#13): ``modelexpress publish`` and ``modelexpress
+"""Server replicas with the real workers: ``modelexpress publish`` and ``modelexpress
 agent`` processes configured with both replicas (MX_SERVER_URL=A,B), real NIXL
 transfers; replica A is killed (SIGKILL) while a rate-capped transfer runs and the
 source heartbeats: the source stays READY, the transfer finishes with its outcome, and

@@ -51,7 +51,7 @@ def test_expected_transports() -> None:
     assert expected_transport("VRAM", "VRAM", same_host=True) == "cuda_ipc"
     assert expected_transport("DRAM", "DRAM", same_host=True) == "cma"
     assert expected_transport("VRAM", "VRAM", same_host=False, rdma=True) == "rdma"
-    # a host without RDMA devices has TCP between hosts, not a fallback (#23)
+    # a host without RDMA devices has TCP between hosts, not a fallback
     assert expected_transport("VRAM", "VRAM", same_host=False, rdma=False) == "tcp"
     assert expected_transport("DRAM", "DRAM", same_host=False, rdma=False) == "tcp"
 
