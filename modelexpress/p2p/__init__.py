@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from modelexpress.p2p.manifests import allocate_like, manifest_of
 from modelexpress.p2p.options import PullOptions
-from modelexpress.p2p.readers import AgentStart, NixlReader, ReaderFactory, SourceReader
+from modelexpress.p2p.readers import (AgentStart, HeldReader, NixlReader, ReaderFactory,
+                                      SourceReader)
 from modelexpress.p2p.result import PHASES, PullResult, SkippedSource
 from modelexpress.p2p.selection import POLICIES
 from modelexpress.p2p.source import SourceHandle, default_worker_id, serve_source
@@ -16,6 +17,7 @@ from modelexpress.p2p.tracking import RateCap, TransferTracker, outcome_of
 
 __all__ = [
     "AgentStart",
+    "HeldReader",
     "NixlReader",
     "PHASES",
     "POLICIES",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, runtime_checkable
 
 from modelexpress.errors import PeerError
 
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from modelexpress.client import SourceInfo
     from modelexpress.transfer import Manifest, NixlTransferManager, StopSignal, TransferResult
 
-__all__ = ["SourceReader", "ReaderFactory", "NixlReader", "AgentStart"]
+__all__ = ["SourceReader", "HeldReader", "ReaderFactory", "NixlReader", "AgentStart",
+           "uses_pull_agent"]
 
 
 class SourceReader(Protocol):
@@ -52,8 +53,44 @@ class SourceReader(Protocol):
         ...
 
 
-ReaderFactory = Callable[["SourceInfo", "Manifest"], SourceReader]
-"""Picks the reader of one source (given its record and manifest)."""
+@runtime_checkable
+class HeldReader(SourceReader, Protocol):
+    """A reader that the pull holds beyond its READs.
+
+    The relay's (:class:`~modelexpress.p2p.relay_pull.RelayedPull`) reads with the
+    pull's own NIXL agent and serves what it received to the pulls planned behind it
+    until the pull is over. ``pull`` starts its agent before the first READ for a
+    reader that :attr:`uses_pull_agent`, calls :meth:`release` once its record is
+    SUCCEEDED (before it returns: the caller owns the destination afterwards), and
+    :meth:`close` when it ends, whatever the outcome. A reader without these members
+    (NIXL's, the local transport's) holds nothing.
+
+    Attributes:
+        uses_pull_agent: reads with the pull's NIXL agent (its factory was handed the
+            pull's manager), which the pull then starts on its own thread before any
+            READ thread exists (see :class:`AgentStart`).
+    """
+
+    uses_pull_agent: bool
+
+    def release(self) -> None:
+        """The pull succeeded: finish what is held (may wait, bounded)."""
+        ...
+
+    def close(self) -> None:
+        """The pull is over: drop what is held now. Idempotent."""
+        ...
+
+
+ReaderFactory = Callable[["SourceInfo", "Manifest"], "SourceReader | None"]
+"""Picks the reader of one source (given its record and manifest), or None: another
+factory's, or NIXL's."""
+
+
+def uses_pull_agent(reader: SourceReader | None) -> bool:
+    """Whether reading with ``reader`` needs the pull's NIXL agent: None (the pull's own
+    NIXL READ) or a :class:`HeldReader` that says so."""
+    return reader is None or (isinstance(reader, HeldReader) and reader.uses_pull_agent)
 
 
 class NixlReader:

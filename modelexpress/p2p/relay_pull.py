@@ -100,7 +100,7 @@ def wait_unread(client: "MxClient", transfer_id: str, identity_id: str, *,
 
 
 class RelayedPull:
-    """The reader of a pull on a relay path (a :class:`~modelexpress.p2p.readers.SourceReader`
+    """The reader of a pull on a relay path (a :class:`~modelexpress.p2p.readers.HeldReader`
     of the path's origin), and with ``serve_as`` its relay source (module docstring).
 
     Args:
@@ -117,6 +117,8 @@ class RelayedPull:
             readers fall back to it).
         local: the local transport's reader factory for holders on this host.
     """
+
+    uses_pull_agent = True  # ``manager`` is the pull's (a HeldReader)
 
     def __init__(self, client: "MxClient", info: "SourceInfo", manifest: "Manifest",
                  path: tuple[str, ...], identity: "ModelIdentity", opts: "PullOptions",

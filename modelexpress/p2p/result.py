@@ -1,5 +1,5 @@
-"""What a pull returns: :class:`PullResult`, the sources it passed over, and the keys
-of its time budget (:data:`PHASES`).
+"""What a pull returns: :class:`PullResult`, the sources it passed over, and where its
+time went (the keys of :data:`PHASES`, filled by a :class:`PullClock`).
 
 Below :mod:`~modelexpress.p2p.target` (which builds it) and
 :mod:`~modelexpress.p2p.tracking` (which reports it to the control plane), so that
@@ -8,10 +8,12 @@ neither imports the other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Mapping
+import time
+from typing import Iterator, Mapping
 
-__all__ = ["PHASES", "PullResult", "SkippedSource"]
+__all__ = ["PHASES", "PullClock", "PullResult", "SkippedSource"]
 
 
 PHASES = ("imports", "control_plane", "agent_wait", "allocate", "register", "peer", "connect",
@@ -110,3 +112,24 @@ class PullResult:
         # one digest per tensor is the manifest's business, not a pull's report
         data.pop("digests")
         return data
+
+
+class PullClock:
+    """Where a pull's time goes on its critical path (see ``PullResult.phases``)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the time spent inside the ``with`` block to ``phases[name]``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] += time.perf_counter() - t0
+
+    def total(self) -> float:
+        """Seconds since the pull started."""
+        return time.perf_counter() - self.started
