@@ -10,10 +10,10 @@ __all__ = ["doctor_checks"]
 def _copy_loop() -> CheckResult:
     from modelexpress.local import hostcopy
     name = "local host copy loop"
-    if not hostcopy.NATIVE:
+    if not hostcopy.COPYLOOP.available:
         return CheckResult(name, "warn",
-                           "Python threads (slower on many cores); reinstall with a C "
-                           "compiler to build modelexpress.local._copyloop")
+                           f"Python threads (slower on many cores): {hostcopy.COPYLOOP.error}; "
+                           "reinstall with a C compiler to build modelexpress.local._copyloop")
     if not hostcopy._xxh3_address():
         return CheckResult(name, "warn",
                            "C extension, but the xxhash package exports no usable "

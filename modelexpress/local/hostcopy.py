@@ -78,15 +78,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelexpress import _threads
+from modelexpress._optional import Extension
 from modelexpress.errors import IntegrityError
 from modelexpress.local import pages
 
-try:
-    from modelexpress.local import _copyloop
-except ModuleNotFoundError as _exc:  # not built (no C compiler at install)
-    if _exc.name != "modelexpress.local._copyloop":
-        raise
-    _copyloop = None
+# Not built (no C compiler at install) or not loadable here: the Python loop copies the
+# same pieces, and the first host copy of the process says so, once.
+COPYLOOP = Extension("modelexpress.local._copyloop",
+                     "host copies of the local transport run in Python threads (slower "
+                     "on many cores)")
+_copyloop = COPYLOOP.module
 
 if TYPE_CHECKING:
     import torch
@@ -266,7 +267,8 @@ class HostCopier:
         threads: copy threads (default :func:`copy_threads`).
         native: run the C piece loop (``_copyloop``); default :data:`NATIVE`. It is
             used where it can do the whole job (no digests, or xxh3 ones), else the
-            same pieces run in Python threads.
+            same pieces run in Python threads. Left to the default where the
+            extension is unavailable, the first copier of a process warns once.
         huge_pages: the pull's :class:`~modelexpress.local.hugepages.HugePages`, told
             each chunk's destinations before they are copied into (None: small pages).
     """
@@ -279,6 +281,8 @@ class HostCopier:
         self.huge_pages = huge_pages
         if self.native and _copyloop is None:
             raise ValueError("the C piece loop (modelexpress.local._copyloop) is not built")
+        if native is None and not COPYLOOP.available:
+            COPYLOOP.falling_back(log)
 
     def copy(self, copies: Sequence[tuple[int, int, int, int]],
              in_pass: "DigestsInPass | None" = None) -> None:

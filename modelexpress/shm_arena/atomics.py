@@ -20,26 +20,31 @@ On x86-64 (total store order) that is sufficient in practice; on weakly ordered
 CPUs (ARM, POWER) it is not formally guaranteed, and an 8-byte ``memcpy`` is not
 guaranteed to be a single, untorn store. Build the extension (any C compiler)
 for production use on such machines; ``modelexpress doctor`` reports which one
-is in use.
+is in use, and the first use of the fallback in a process logs one warning.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
 import threading
 from typing import Any
 
-__all__ = ["NATIVE", "load_acquire", "store_release", "populate", "fence",
+from modelexpress._optional import Extension
+
+__all__ = ["ATOMICS", "NATIVE", "load_acquire", "store_release", "populate", "fence",
            "py_load_acquire", "py_store_release", "copy_in"]
 
-try:
-    from modelexpress.shm_arena import _atomics as _native
-except ImportError as _exc:  # the extension is optional (no compiler at install time)
-    if getattr(_exc, "name", None) not in (None, "modelexpress.shm_arena._atomics"):
-        raise
-    _native = None
+log = logging.getLogger(__name__)
+
+# The extension is optional (no compiler at install time): the fallbacks below say so
+# once, the first time one of them runs.
+ATOMICS = Extension("modelexpress.shm_arena._atomics",
+                    "the shm tensor arena orders its words with lock fences (weaker off "
+                    "x86-64) and copies tensors with torch")
+_native = ATOMICS.module
 
 NATIVE: bool = _native is not None
 
@@ -75,6 +80,7 @@ def load_acquire(buf: Any, offset: int) -> int:
     """
     if _native is not None:
         return _native.load_acquire(buf, offset)
+    ATOMICS.falling_back(log)
     return py_load_acquire(buf, offset)
 
 
@@ -98,6 +104,7 @@ def store_release(buf: Any, offset: int, value: int) -> None:
     if _native is not None:
         _native.store_release(buf, offset, value)
         return
+    ATOMICS.falling_back(log)
     py_store_release(buf, offset, value)
 
 
@@ -125,6 +132,7 @@ def populate(mm: mmap.mmap, start: int, length: int) -> str:
     """
     if _native is not None:
         return _native.populate(mm, start, length)
+    ATOMICS.falling_back(log)
     if length:
         mm.madvise(_MADV_POPULATE_WRITE, start, length)
     return "python"
@@ -166,7 +174,10 @@ def copy_in(buf: Any, offset: int, src: Any, *, threads: int | None = None) -> b
         False when it did not copy (no C extension, a smaller tensor, one CPU, or
         not a contiguous byte tensor): the caller then copies with torch.
     """
-    if _native is None or not src.is_contiguous() or src.element_size() != 1:
+    if _native is None:
+        ATOMICS.falling_back(log)
+        return False
+    if not src.is_contiguous() or src.element_size() != 1:
         return False
     nbytes = src.numel()
     parts = threads if threads is not None else _copy_threads(nbytes)

@@ -14,11 +14,12 @@ _MIB = 1 << 20
 
 def _atomics() -> CheckResult:
     from modelexpress.shm_arena import atomics
-    if atomics.NATIVE:
+    if atomics.ATOMICS.available:
         return CheckResult("shm arena atomics", "ok", "C extension (release/acquire)")
     return CheckResult("shm arena atomics", "warn",
-                       "pure-Python fallback (weaker ordering off x86-64); reinstall with a "
-                       "C compiler to build modelexpress.shm_arena._atomics")
+                       f"pure-Python fallback (weaker ordering off x86-64): "
+                       f"{atomics.ATOMICS.error}; reinstall with a C compiler to build "
+                       "modelexpress.shm_arena._atomics")
 
 
 def _round_trip() -> CheckResult:

@@ -18,11 +18,11 @@ zero, so a drained core can no longer run a callback.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from types import ModuleType
 from typing import Any, Callable, Protocol
 
+from modelexpress._optional import import_extension
 from modelexpress.errors import (
     ArenaClosedError,
     ArenaExhaustedError,
@@ -47,10 +47,10 @@ def load_extension() -> ModuleType | None:
     """
     global _EXT, _EXT_ERROR
     if _EXT is None and _EXT_ERROR is None:
-        try:
-            ext = importlib.import_module("modelexpress.vmm._alloc_ext")
-        except ImportError as exc:  # not built (no compiler) or built for another ABI
-            _EXT_ERROR = exc
+        # not built (no compiler) or built for another ABI: MX_VMM_ARENA=1 falls back
+        # with one warning per reason (runtime.py)
+        ext, _EXT_ERROR = import_extension("modelexpress.vmm._alloc_ext")
+        if ext is None:
             return None
         ext.configure(ArenaClosedError, ArenaExhaustedError, InvalidFreeError)
         _EXT = ext

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import mmap
+import pathlib
+import random
+import subprocess
+import sys
 
 import pytest
 
@@ -103,3 +108,69 @@ def test_parallel_copy_claims_every_chunk_once(nbytes: int, threads: int, chunk:
                 _atomics.stream_copy(mm, 0, src.data_ptr() or 1, 0, *bad)
     finally:
         mm.close()
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WITHOUT = ROOT / "tests" / "without.py"
+HIDDEN = "modelexpress.shm_arena._atomics"
+
+# A fresh process without the extension: tensors through the arena (one of them large
+# enough for the streaming copy, which falls back to torch), read back and released.
+ROUND_TRIPS = r"""
+import io, json, logging, pickle, sys
+import torch
+
+class Keep(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+keep = Keep()
+logging.getLogger("modelexpress").addHandler(keep)
+from modelexpress.shm_arena import ArenaPickler, ArenaReader, ArenaWriter, atomics
+
+seed = int(sys.argv[1])
+equal, reclaimed = [], 0
+with ArenaWriter(1, 64 << 20, n_descriptors=8, prefault=True) as writer:
+    with ArenaReader(writer.handle, 0) as reader:
+        for i, n in enumerate((4096, 1 << 20, 40 << 20, 77, 3 << 20)):
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(seed + i))
+            bio = io.BytesIO()
+            ArenaPickler(bio, writer, min_tensor_bytes=1).dump(src)
+            out = pickle.loads(bio.getvalue())
+            equal.append(bool(torch.equal(out, src)))
+            del out
+            reader.flush_releases()
+            reclaimed += writer.reclaim()
+print(json.dumps({"native": atomics.NATIVE, "loaded": "%s" in sys.modules,
+                  "equal": equal, "reclaimed": reclaimed, "warnings": keep.messages}))
+""" % HIDDEN
+
+
+def test_without_the_extension_the_arena_falls_back_and_warns_once() -> None:
+    seed = random.randrange(1 << 20)
+    proc = subprocess.run([sys.executable, str(WITHOUT), HIDDEN, "-c", ROUND_TRIPS, str(seed)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, f"seed={seed}\n{proc.stderr[-3000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["native"] is False and out["loaded"] is False  # really without it
+    assert out["equal"] == [True] * 5 and out["reclaimed"] == 5, (seed, out)
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert HIDDEN in out["warnings"][0] and "C compiler" in out["warnings"][0]
+
+
+def test_without_the_extension_forked_readers_still_get_every_tensor() -> None:
+    # The arena's multi-process scenario (3 forked readers, 120 messages, one reader
+    # holding tensors to the end) on the fallback atomics. A process that forked after
+    # its parent warned inherits that; one that uses the fallback first warns once.
+    seed = random.randrange(1 << 30)
+    proc = subprocess.run([sys.executable, str(WITHOUT), HIDDEN,
+                           str(ROOT / "tests" / "shm_arena" / "scenarios.py"), "lifecycle",
+                           str(seed)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, f"seed={seed}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    said = [line for line in proc.stderr.splitlines() if HIDDEN in line]
+    assert 1 <= len(said) <= 4, proc.stderr[-3000:]  # the writer and 3 readers at most
