@@ -60,7 +60,7 @@ def main() -> None:
                     kinds = ("plain", "holder") if r % 2 == 0 else ("holder", "plain")
                     for kind in kinds:
                         holder = kind == "holder"
-                        opts = PullOptions.from_settings(MxSettings(ipc_dir="off"),
+                        opts = PullOptions.from_settings(MxSettings.load(ipc_dir="off"),
                                                          relay_read=holder,
                                                          relay_serve=holder)
                         t0 = time.perf_counter()

@@ -334,7 +334,8 @@ class MxSettings(BaseSettings):
             The settings.
 
         Raises:
-            ConfigError: a value is invalid; the message is :func:`settings_error_line`.
+            ConfigError: a value is invalid; the message is :func:`settings_error_line`
+                (pydantic's error stays reachable as its ``__context__``).
         """
         from modelexpress.errors import ConfigError
 
@@ -343,7 +344,11 @@ class MxSettings(BaseSettings):
             return cls(**given)
         except pydantic.ValidationError as exc:
             shown = {k: v for k, v in (names or {}).items() if k in given}
-            raise ConfigError(settings_error_line(exc, names=shown)) from exc
+            # "from None": where nothing catches it (inside a vLLM engine, whose plugin
+            # loader calls us bare; a trainer script), a chained cause would print
+            # pydantic's block of every error under the one line that already says it
+            # all. The context is kept, only not printed.
+            raise ConfigError(settings_error_line(exc, names=shown)) from None
 
 
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes with the NUL (local/protocol.py)

@@ -1,6 +1,13 @@
-"""A bad MX_* value is one line naming the variable and what it accepts."""
+"""A bad MX_* value is one line naming the variable and what it accepts, wherever the
+environment is read: the CLI, the agent, the server, the vLLM plugin and weight-transfer
+engine, the RL trainer."""
 
 from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import pydantic
 import pytest
@@ -38,8 +45,10 @@ def test_a_bad_value_is_one_line_naming_the_variable_and_the_accepted_values(
     message = str(err.value)
     assert message.startswith(line), message
     assert "\n" not in message
-    assert isinstance(err.value.__cause__, pydantic.ValidationError)
-    assert settings_error_line(err.value.__cause__) == message
+    # pydantic's error is kept for a debugger, not chained: a traceback shows one line
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert isinstance(err.value.__context__, pydantic.ValidationError)
+    assert settings_error_line(err.value.__context__) == message
 
 
 def test_several_bad_values_and_flag_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,3 +104,48 @@ def test_the_vllm_plugin_stops_on_a_bad_value_with_one_line() -> None:
     line = out.stdout.strip()
     assert line.startswith("MX_LOG_LEVEL: 'LOUD' is not allowed; use one of DEBUG, INFO, "
                            "WARNING, ERROR") and "\n" not in line, out.stdout
+
+
+# Every entry point that reads the environment, run as a user runs it, in a fresh
+# process, with nothing catching the error for it.
+_TRAINER = """
+import torch
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from modelexpress.engines.vllm.plugin import register_weight_transfer
+from modelexpress.rl import FanOutClient, MxTrainerInitInfo, StateDictSource
+register_weight_transfer()
+WeightTransferTrainerFactory.trainer_init(
+    MxTrainerInitInfo(model="run", rank=0), client=FanOutClient([object()]),
+    source=StateDictSource({"w": torch.zeros(4)}))
+"""
+_WEIGHT_TRANSFER_ENGINE = """
+import types
+import torch
+from modelexpress.engines.vllm.weight_transfer import MxInitInfo, MxWeightTransferEngine
+config = types.SimpleNamespace(parallel_config=None, model_config=None)
+engine = MxWeightTransferEngine(None, config, "cpu", torch.nn.Linear(2, 2))
+engine.init_transfer_engine(MxInitInfo(model="run", server_url="http://127.0.0.1:1"))
+"""
+ENTRY_POINTS = {
+    "cli": ["-m", "modelexpress", "sources", "list"],
+    "agent": ["-m", "modelexpress", "agent"],
+    "server": ["-m", "modelexpress.server"],
+    "vllm plugin": ["-c", "from modelexpress.engines.vllm.plugin import register; register()"],
+    "vllm weight-transfer engine": ["-c", _WEIGHT_TRANSFER_ENGINE],
+    "rl trainer": ["-c", _TRAINER],
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_entry_point_refuses_a_bad_value_in_one_line_naming_it(entry: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MX_")}
+    env["MX_TRANSFER_TIMEOUT_S"] = "abc"
+    ran = subprocess.run([sys.executable, *ENTRY_POINTS[entry]], capture_output=True,
+                         text=True, timeout=300, env=env,
+                         cwd=pathlib.Path(__file__).resolve().parents[1])
+    out = ran.stdout + ran.stderr
+    assert ran.returncode != 0, out[-3000:]
+    said = [line for line in out.splitlines() if "MX_TRANSFER_TIMEOUT_S" in line]
+    assert len(said) == 1 and "MX_TRANSFER_TIMEOUT_S: 'abc' is not a number" in said[0], \
+        out[-3000:]
+    assert "validation error" not in out and "errors.pydantic.dev" not in out, out[-3000:]

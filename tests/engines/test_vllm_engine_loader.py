@@ -107,6 +107,23 @@ def _assert_fell_back(engine: Engine, why: str) -> None:
 
 
 # --- tests -------------------------------------------------------------------------------------
+def test_a_bad_mx_setting_refuses_to_start_the_engine_with_one_line_naming_it(
+        ckpt: pathlib.Path, logs: pathlib.Path) -> None:
+    # The plugin reads MX_* when vLLM loads it, before anything is built: a bad value
+    # stops the engine as a bad mx_* loader key does (ConfigError), in one line that
+    # names the variable, without pydantic's block of the same error.
+    engine = Engine(ckpt, name="bad-setting", log_dir=logs, load_format="mx",
+                    env={"MX_TRANSFER_TIMEOUT_S": "abc"})
+    with engine.start():
+        with pytest.raises(RuntimeError, match="exited with 1 before it was ready"):
+            engine.wait_ready(timeout=180)
+    log = engine.log_text()
+    said = [line for line in log.splitlines() if "MX_TRANSFER_TIMEOUT_S" in line]
+    assert said == ["modelexpress.errors.ConfigError: MX_TRANSFER_TIMEOUT_S: 'abc' is not "
+                    "a number"], engine.log_tail()
+    assert "validation error" not in log and "errors.pydantic.dev" not in log, engine.log_tail()
+
+
 def test_pulled_engines_answer_exactly_as_their_source(ckpt, logs, server, reference) -> None:
     """A loads from disk and publishes; B (vLLM's `modelexpress`) and C (our `mx`) start
     with no weights on disk, pull from A, and answer exactly as A and a plain engine."""
