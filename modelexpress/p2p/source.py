@@ -95,8 +95,20 @@ class SourceHandle(ClosedOnCollect):
         # target reading from it would only time out.
         while not self._stop.wait(self._interval):
             if not self.manager.serving:
-                self._failure = "the NIXL progress thread stopped (data-plane failure)"
-                log.error("source %s: %s; marking it STALE", self.source_id, self._failure)
+                # ORDER: read after the wait. close() sets _stop before it releases the
+                # progress thread; an agent closed on purpose (its owner shut down
+                # first, e.g. at a clean exit) is not a data-plane failure.
+                if self._stop.is_set():
+                    return
+                if self.manager.closed:
+                    self._failure = "its NIXL agent was closed"
+                    log.info("source %s: %s; marking it STALE", self.source_id, self._failure)
+                else:
+                    error = self.manager.progress_error
+                    self._failure = ("the NIXL progress thread stopped (data-plane failure"
+                                     + (f": {error})" if error else ")"))
+                    log.error("source %s: %s; marking it STALE", self.source_id,
+                              self._failure)
                 self._withdraw()
                 return
             try:
@@ -135,7 +147,8 @@ class SourceHandle(ClosedOnCollect):
         if self._owns_manager:
             self.manager.close()
         else:
-            self.manager.stop_progress_thread()
+            # Other sources of this process may serve through the same agent.
+            self.manager.release_progress_thread()
         self._tensors = {}
         log.info("source %s (%s) withdrawn", self.source_id, self.identity.model)
 
@@ -211,6 +224,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
     owns = manager is None if own_manager is None else own_manager
     mgr = manager or NixlTransferManager(backend=backend)
     local_source = None
+    holds_progress = False
     try:
         t0 = time.perf_counter()
         from modelexpress.local.devices import gpus_of
@@ -231,7 +245,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                                       digest_algorithm=digest_algorithm,
                                       known_digests=known_digests, attributes=attributes)
         manifest_json = manifest.to_json()
-        mgr.start_progress_thread()
+        mgr.acquire_progress_thread()
+        holds_progress = True
         wid = worker_id or default_worker_id("source")
         info = client.publish_source(identity, wid, manifest=json.loads(manifest_json),
                                      agent_metadata=mgr.get_agent_metadata(),
@@ -242,6 +257,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
             local_source.close()
         if owns:
             mgr.close()
+        elif holds_progress:
+            mgr.release_progress_thread()
         raise
     guard = None
     if guardian:

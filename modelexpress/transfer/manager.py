@@ -179,6 +179,12 @@ class NixlTransferManager(ClosedOnCollect):
         self._words: list[RemoteWord] = []  # closed with their peer or the manager
         self._progress_stop = threading.Event()
         self._progress_thread: threading.Thread | None = None
+        # Holders of the progress thread (acquire/release): several sources of one
+        # process may serve through one agent (the vLLM loader's weights and compiled
+        # artifacts); the first to withdraw must not stop the others' progress.
+        self._progress_holders = 0
+        self._progress_lock = threading.Lock()
+        self._progress_error: str | None = None
         self._notifs: list[tuple[str, bytes]] = []
         self._notif_lock = threading.Lock()
         self._closed = False
@@ -421,22 +427,53 @@ class NixlTransferManager(ClosedOnCollect):
         if self._progress_thread is not None and self._progress_thread.is_alive():
             return
         self._progress_stop.clear()
+        self._progress_error = None
 
         def run() -> None:
             try:
                 self.serve_forever(self._progress_stop, poll_interval_s=poll_interval_s)
-            except TransferError:
+            except TransferError as exc:
+                self._progress_error = f"{type(exc).__name__}: {exc}"
                 log.exception("progress thread of agent %s stopped on an error", self.name)
 
         self._progress_thread = threading.Thread(target=run, name=f"mx-progress-{self.name}",
                                                  daemon=True)
         self._progress_thread.start()
 
+    def acquire_progress_thread(self, poll_interval_s: float = _SERVE_POLL_S) -> None:
+        """Count one more holder of the progress thread, starting it if needed.
+
+        Each :func:`~modelexpress.p2p.serve_source` holds it while its source is
+        published and releases it on close (:meth:`release_progress_thread`).
+        """
+        with self._progress_lock:
+            self._progress_holders += 1
+            self.start_progress_thread(poll_interval_s)
+
+    def release_progress_thread(self) -> None:
+        """One holder fewer; the thread stops when the last one lets go (idempotent at 0)."""
+        with self._progress_lock:
+            if self._progress_holders > 0:
+                self._progress_holders -= 1
+            if self._progress_holders > 0:
+                return
+            self.stop_progress_thread()
+
     @property
     def serving(self) -> bool:
         """Whether the progress thread is running (False after it died on an error)."""
         thread = self._progress_thread
         return thread is not None and thread.is_alive()
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` ran: the agent is gone on purpose (not a data-plane failure)."""
+        return self._closed
+
+    @property
+    def progress_error(self) -> str | None:
+        """The error the progress thread died of, or None."""
+        return self._progress_error
 
     def stop_progress_thread(self, timeout_s: float = 10.0) -> None:
         """Stop the progress thread (idempotent).
