@@ -321,6 +321,16 @@ class MxSettings(BaseSettings):
         """``MX_SERVER_URL`` as a list: the replicas a client fails over between, in order."""
         return tuple(self.server_url.split(","))
 
+    @property
+    def server_configured(self) -> bool:
+        """``MX_SERVER_URL`` was given (environment or override), not only defaulted.
+
+        What only enhances an engine that did not ask for modelexpress (the vLLM
+        plugin's model-info prefetch in a ``--load-format auto`` engine) contacts a
+        control plane only when one is configured; the loader itself uses the default.
+        """
+        return "server_url" in self.model_fields_set
+
     @classmethod
     def load(cls, *, names: Mapping[str, str] | None = None, **overrides: Any) -> "MxSettings":
         """Settings from the environment with ``overrides`` on top; a bad value is one line.

@@ -78,6 +78,12 @@ def register() -> None:
 def _prefetch_modelinfos(settings: "MxSettings") -> None:
     if not settings.artifact_key:
         return
+    if not settings.server_configured:
+        # Every vLLM process loads the plugin, engines that never use modelexpress
+        # included: with no MX_SERVER_URL there is no control plane to ask, and trying
+        # the default address would only log connection errors.
+        log.debug("modelexpress: no MX_SERVER_URL; vLLM's model-info cache is not fetched")
+        return
     try:
         from modelexpress.engines.vllm.artifacts import prefetch_modelinfos
         prefetch_modelinfos(settings)
