@@ -14,6 +14,13 @@ not comparable; a CPU source and a GPU source may use different ones). What does
 not: addresses, devices, the host and agent name, registered regions, and the
 ``attributes`` (the vLLM probe is compared by the loader, with a tolerance).
 
+Content variants: a publisher whose readers choose a content themselves may declare
+``attributes.mx_variants = "by-content"`` (compiled-artifact sets: engines that compiled
+for themselves hold other bytes, each set signed and checked by the reader, who pulls
+only from sources of the content it verified, grouped by :func:`fingerprint`). Two
+manifests that both declare it never conflict (:func:`coexist`); a manifest without it
+keeps the rule above, also against variants.
+
 The manifest is opaque JSON to the server and fuzzed from outside, so everything
 here reads it defensively: a manifest without a ``tensors`` list (not one the
 transfer layer wrote) is not compared and conflicts with nothing.
@@ -25,9 +32,20 @@ import hashlib
 import json
 from typing import Any
 
-__all__ = ["fingerprint", "first_difference"]
+__all__ = ["coexist", "fingerprint", "first_difference"]
 
 _KEYS = ("dtype", "shape", "nbytes")
+_VARIANTS = "mx_variants"
+
+
+def _variants(manifest: dict[str, Any]) -> bool:
+    attributes = manifest.get("attributes")
+    return isinstance(attributes, dict) and attributes.get(_VARIANTS) == "by-content"
+
+
+def coexist(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Both manifests declare content variants: their contents may differ."""
+    return _variants(mine) and _variants(theirs)
 
 
 def _entries(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:

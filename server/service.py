@@ -162,6 +162,8 @@ class ControlPlane:
             theirs = self.store.get("blobs", other["id"])
             if theirs is None:
                 continue  # deleted meanwhile
+            if content.coexist(manifest, theirs["manifest"]):
+                continue  # content variants: the reader picks one (content.py)
             diff = content.first_difference(manifest, theirs["manifest"])
             if diff is not None:
                 raise ConflictError(

@@ -7,10 +7,20 @@ Called by :class:`~modelexpress.engines.vllm.loader.MxModelLoader` at the end of
     layout, facts, identity <- compile_cache  (where the cache is, what must match)
     target:  own rank dir present?  -> "present" (never mixed with a pulled one)
              else pull_artifacts   -> installed | miss | refused | error
-    observer attached: vLLM's compilation log records + inductor's cache counters
+    observer attached: vLLM's log records (compilation, then the engine warm)
+             vLLM names its cache dir -> the set's Triton entries linked into the
+                                         Triton dir vLLM is about to use (its thread)
     background thread, once vLLM says compiling ended:
              installed -> verdict hit | miss, and whether vLLM compiled anyway
-             serve: cache quiet for MX_ARTIFACT_SETTLE_S -> pack, sign, publish
+    then, once the engine is fully warm (CUDA graphs captured, warm-up run):
+             serve: a hit that built nothing -> the installed set, byte for byte
+                    else: cache quiet for MX_ARTIFACT_SETTLE_S -> pack (vLLM's
+                    directories + Triton's entries), sign, publish
+
+Sets are published as content variants (``mx_variants: by-content``): replicas that
+compiled for themselves serve sets of other bytes under one identity side by side, and
+a target pulls one set from the sources that serve exactly it
+(:func:`~modelexpress.artifacts.pull_artifacts`).
 
 Every outcome is in :class:`ArtifactReport` (``LoadReport.artifacts``), one INFO (or
 WARNING) line, and the control plane's ``/metrics`` (reported with
@@ -30,7 +40,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from modelexpress.artifacts import ArtifactKey, pack_files, pull_artifacts, serve_packed
+from modelexpress.artifacts import (
+    ArtifactKey,
+    buffer_from,
+    pack_files,
+    pull_artifacts,
+    serve_packed,
+)
 from modelexpress.errors import ConflictError, MxError
 
 from modelexpress.engines.vllm import compile_cache as cc
@@ -46,6 +62,11 @@ __all__ = ["ArtifactReport", "ArtifactStep", "prefetch_modelinfos"]
 log = logging.getLogger(__name__)
 
 _COMPILE_DEADLINE_S = 3600.0
+# From the end of compilation to the engine fully warm: profiling, KV cache, CUDA graph
+# capture and the warm-up after it (about a minute at 8B on one H100). Past this a
+# source serves what it has.
+_WARM_DEADLINE_S = 900.0
+_TRITON_KINDS = (cc.TRITON_KIND, cc.VLLM_TRITON_KIND)
 _DRIFT = "config_drift"  # the set's fact: config fields vLLM set between load and compile
 _said_off = False
 _said_lock = threading.Lock()
@@ -66,6 +87,10 @@ class ArtifactReport:
         seconds: the artifact pull and install.
         transport: how the blob came (``local``, ``cma``, ...).
         serving: this engine publishes its own artifacts (source id once published).
+        served_as: ``installed`` (the pulled set, byte for byte) or ``packed`` (its own
+            caches packed), once serving.
+        triton_built: Triton kernels this engine built itself during compilation and
+            warm-up (entries it wrote that the pulled set lacked); None until warm.
         identity_id: the artifact identity.
     """
 
@@ -79,6 +104,8 @@ class ArtifactReport:
     seconds: float = 0.0
     transport: str = ""
     serving: str | None = None
+    served_as: str | None = None
+    triton_built: int | None = None
     identity_id: str | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
@@ -89,7 +116,8 @@ class ArtifactStep:
     Args:
         options: the loader's :class:`~modelexpress.engines.vllm.options.LoaderOptions`.
         client: makes a control-plane client (the loader's).
-        manager: returns the loader's NIXL manager, or None (one is made when needed).
+        manager: ``manager(create=True)``: the loader's NIXL manager (started if needed
+            and ``create``; else None, and a pull makes its own if it needs NIXL).
         vllm_config, model, identity, device: the engine being loaded.
         pulled_weights: the weights came from a peer (serving then follows
             ``serve_after_pull``, as for weights).
@@ -129,11 +157,17 @@ class ArtifactStep:
         self._vllm_config = vllm_config  # not the model: the step must not keep it alive
         self._installed_dirs: list[str] | None = None
         self._files_before: set[str] = set()
+        self._installed: tuple[Any, Any] | None = None  # (set, blob) pulled and installed
+        self._triton_files: list[str] = []  # the set's Triton files, relative to triton_dir
+        self._vllm_triton: pathlib.Path | None = None  # where vLLM pointed Triton
+        self._started = cc.process_start_time()
+        self._installed_at = time.time()
+        self._cuda = getattr(device, "type", str(device)) == "cuda"
         self.layout = cc.layout_of(vllm_config, model)
         self.facts = cc.platform_facts(device)
         self.identity = cc.artifact_identity(identity, self.layout, self.facts)
         self.report.identity_id = self.identity.id
-        self._observer = cc.CompileObserver().attach()
+        self._observer = cc.CompileObserver(on_backend_dir=self._on_backend_dir).attach()
         self._serve = options.serve_after_pull if pulled_weights else options.serve
         if options.pull:
             self._pull()
@@ -156,7 +190,8 @@ class ArtifactStep:
             result = pull_artifacts(self.identity, key=self._key, client=client,
                                     options=self._options.pull_options,
                                     roots=self.layout.roots, mapping=mapping,
-                                    manager=self._manager(), check_facts=self.facts)
+                                    manager=self._manager(create=False),
+                                    check_facts=self.facts)
         r = self.report
         r.seconds = time.perf_counter() - t0
         r.outcome, r.reason, r.source_id = result.outcome, result.reason, result.source_id
@@ -166,6 +201,11 @@ class ArtifactStep:
             # from here on is what it did not find in the pulled cache
             self._files_before = cc.cache_files(
                 [pathlib.Path(d) for d in self._installed_dirs or []])
+            self._installed_at = time.time()
+            self._installed = (result.aset, result.blob)
+            if self.layout.triton_dir is not None and result.aset is not None:
+                self._triton_files = [f.path for f in result.aset.files
+                                      if f.kind in _TRITON_KINDS]
             log.info("modelexpress: installed %d compiled-artifact files (%.1f MB) for rank %d "
                      "from source %s over %s in %.3f s (pull %.3f s, verify+install %.3f s)",
                      result.files, result.bytes / 1e6, self.identity.rank, result.source_id,
@@ -178,11 +218,26 @@ class ArtifactStep:
             log.info("modelexpress: compiled artifacts %s: %s", result.outcome, result.reason)
             self._count(result.outcome)
 
-    # --- after vLLM compiled ------------------------------------------------------------
+    def _on_backend_dir(self, local_cache_dir: str) -> None:
+        """vLLM named its compile directory (on its own thread, before it compiles): put
+        the set's Triton entries where it is about to point Triton."""
+        vdir = cc.vllm_triton_dir(local_cache_dir)
+        if vdir is None:
+            return
+        self._vllm_triton = vdir
+        own = self.layout.triton_dir
+        if not self._triton_files or own is None or vdir == own:
+            return
+        t0 = time.perf_counter()
+        added = cc.link_entries(own, vdir, self._triton_files)
+        log.info("modelexpress: linked %d pulled Triton files into vLLM's Triton cache %s in "
+                 "%.3f s", added, vdir, time.perf_counter() - t0)
+
+    # --- after vLLM compiled ---------------------------------------------------------
     def _after_compile(self) -> None:
         events = self._observer.wait(_COMPILE_DEADLINE_S)
-        self._observer.detach()
         if events is None:
+            self._observer.detach()
             log.warning("modelexpress: vLLM did not report the end of its compilation within "
                         "%.0f s; compiled artifacts neither judged nor served",
                         _COMPILE_DEADLINE_S)
@@ -198,9 +253,52 @@ class ArtifactStep:
             self._finish(outcome, detail)
         elif r.outcome == "present":
             self._count("present")
+        r.done.set()  # the verdict is final; serving waits for the engine to be warm
+        # On GPUs vLLM's warm-up after CUDA graph capture JIT-compiles its own Triton
+        # kernels: a set published before then lacks them, and every target would build
+        # them again. CPU engines compile everything before this point.
+        warm = self._observer.wait_warm(_WARM_DEADLINE_S) if self._cuda else True
+        self._observer.detach()
+        if not warm:
+            log.warning("modelexpress: vLLM did not report the engine warm within %.0f s of "
+                        "compiling; its artifacts are served as they are now",
+                        _WARM_DEADLINE_S)
+        r.triton_built = self._triton_built_here()
+        if r.outcome == "hit" and r.triton_built:
+            log.warning("modelexpress: compiled artifacts hit, but vLLM built %d Triton "
+                        "kernel(s) the pulled set lacked while it compiled and warmed up",
+                        r.triton_built)
         if self._serve and r.outcome != "refused" and not self._closed:
             self._publish(events)
-        r.done.set()
+        self._installed = None  # the blob is served (copied) or no longer needed
+
+    def _triton_dirs(self) -> list[tuple[str, pathlib.Path, float | None]]:
+        """``(kind, directory, since)`` of each Triton cache this process used: its own
+        and the one vLLM set; ``since`` filters a directory outside vLLM's cache root
+        (shared with other processes) to what this process wrote."""
+        out: list[tuple[str, pathlib.Path, float | None]] = []
+        root = self.layout.cache_root
+        seen: set[pathlib.Path] = set()
+        for kind, directory in ((cc.TRITON_KIND, self.layout.triton_dir),
+                                (cc.VLLM_TRITON_KIND, self._vllm_triton)):
+            if directory is None or directory in seen:
+                continue
+            seen.add(directory)
+            inside = directory.is_relative_to(root)
+            out.append((kind, directory, None if inside else self._started))
+        return out
+
+    def _triton_built_here(self) -> int:
+        """Triton entries this engine wrote since installing (0 for an engine that pulled
+        nothing: every kernel is its own then, and that is not news)."""
+        if self._installed is None:
+            return 0
+        mine = {pathlib.PurePosixPath(f).parts[0] for f in self._triton_files}
+        built = set()
+        for _kind, directory, _since in self._triton_dirs():
+            built.update(e for e in cc.triton_entries(directory, since=self._installed_at)
+                         if e not in mine)
+        return len(built)
 
     def _finish(self, outcome: str, reason: str) -> None:
         r = self.report
@@ -212,6 +310,18 @@ class ArtifactStep:
              "" if r.compiled is None else f" (compiled anyway: {'yes' if r.compiled else 'no'})")
 
     def _publish(self, events: Any) -> None:
+        r = self.report
+        if self._installed is not None and r.outcome == "hit" and not r.triton_built:
+            # Everything this engine runs came from the pulled set: serve that set as it
+            # came, so that its replicas all serve one content (a repack would differ by
+            # the index entries vLLM wrote while loading it).
+            aset, blob = self._installed
+            import numpy as np
+
+            raw = memoryview(np.ascontiguousarray(blob.cpu().numpy())).cast("B")
+            self._serve_set(aset, buffer_from(raw[:aset.total_bytes], name="mx-vllm-artifacts"),
+                            "installed")
+            return
         drift, other = cc.config_drift(self.layout.snapshot, self._vllm_config)
         # what a target computes: its load-time config with the plain drift applied,
         # i.e. ours now with the other changed fields as they were at load time
@@ -227,7 +337,9 @@ class ArtifactStep:
                         self.facts.get("vllm"), ", ".join(sorted([*drift, *other])) or "none")
             return
         paths = self.layout.rank_paths(prefixes)
-        if not cc.quiet_for(paths, self._settle_s, _COMPILE_DEADLINE_S):
+        triton = self._triton_dirs()
+        if not cc.quiet_for(paths + [d for _k, d, _s in triton], self._settle_s,
+                            _COMPILE_DEADLINE_S):
             log.warning("modelexpress: the compile cache kept changing; not serving artifacts")
             return
         missing = [p for p in paths if not p.is_dir()]
@@ -236,11 +348,23 @@ class ArtifactStep:
                         missing[0])
             return
         facts = {**self.facts, _DRIFT: json.dumps(drift, sort_keys=True)}
+        roots = {cc.KIND: self.layout.cache_root}
+        dirs = self.layout.source_dirs(prefixes)
+        for kind, directory, since in triton:
+            roots[kind] = directory
+            dirs += [(kind, entry) for entry in cc.triton_entries(directory, since=since)]
         try:
-            aset, buf = pack_files(self.layout.roots, self.layout.source_dirs(prefixes),
-                                   units=self.layout.units(prefixes),
+            aset, buf = pack_files(roots, dirs, units=self.layout.units(prefixes),
                                    prefixes={path: name for name, path in prefixes.items()},
                                    facts=facts, name="mx-vllm-artifacts")
+        except MxError as exc:
+            log.warning("modelexpress: could not pack compiled artifacts: %s", exc)
+            return
+        self._serve_set(aset, buf, "packed")
+
+    def _serve_set(self, aset: Any, buf: Any, how: str) -> None:
+        """Publish ``aset`` (bytes in ``buf``, which the handle then owns)."""
+        try:
             from modelexpress.local import LocalOptions
 
             settings = self._options.settings
@@ -250,27 +374,29 @@ class ArtifactStep:
                 local=LocalOptions.from_settings(settings), manager=self._manager(),
                 backend=settings.nixl_backend, heartbeat_interval_s=settings.heartbeat_interval_s,
                 guardian=True)
-        except ConflictError:
-            # Compiling is not byte-for-byte reproducible: an engine that compiled for
-            # itself holds other bytes than the source already serving this identity.
-            log.info("modelexpress: not serving compiled artifacts: another engine already "
-                     "serves this artifact identity with other bytes (each compiled its own)")
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        except ConflictError as exc:
+            # A source of an older modelexpress serves this identity without declaring
+            # its set a content variant: the control plane keeps one content then.
+            log.info("modelexpress: not serving compiled artifacts: %s", exc)
+            self._drop_client()
             return
         except MxError as exc:
             log.warning("modelexpress: could not serve compiled artifacts: %s", exc)
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            self._drop_client()
             return
         self.report.serving = self._handle.source_id
-        log.info("modelexpress: serving compiled artifacts of rank %d (%d files, %.1f MB) as "
-                 "source %s", self.identity.rank, len(aset.files), aset.total_bytes / 1e6,
+        self.report.served_as = how
+        log.info("modelexpress: serving compiled artifacts of rank %d (%d files, %.1f MB, %s) "
+                 "as source %s", self.identity.rank, len(aset.files), aset.total_bytes / 1e6,
+                 "the pulled set as installed" if how == "installed" else "packed from its caches",
                  self._handle.source_id)
         if self.identity.rank == 0:
             self._publish_modelinfos()
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def _publish_modelinfos(self) -> None:
         """Serve vLLM's model-info cache too (targets fetch it in the plugin, before vLLM
@@ -342,17 +468,18 @@ def prefetch_modelinfos(settings: Any) -> str:
     """Fetch vLLM's model-info cache from a peer before vLLM configures the engine.
 
     Called by the plugin in every vLLM process; does something only with
-    ``MX_ARTIFACT_KEY`` set and an empty ``$VLLM_CACHE_ROOT/modelinfos`` (never over a
-    cache the engine has; after the first process installed it, the others find it).
-    Bounded (``MX_CLIENT_TIMEOUT_S`` per call, 15 s for the pull).
+    ``MX_ARTIFACT_KEY`` and ``MX_SERVER_URL`` set and an empty
+    ``$VLLM_CACHE_ROOT/modelinfos`` (never over a cache the engine has; after the first
+    process installed it, the others find it). Bounded (``MX_CLIENT_TIMEOUT_S`` per
+    call, 15 s for the pull).
 
     Returns:
         The outcome (``installed``, ``skipped``, ``off``, ``miss``, ``refused``,
-        ``present``, ``error``).
+        ``present``, ``error``); ``off`` also when no control plane is configured.
     """
     import pathlib
 
-    if not settings.artifact_key:
+    if not settings.artifact_key or not settings.server_configured:
         return "off"
     from vllm import envs
 

@@ -26,11 +26,24 @@ files' paths and contents, known only once Dynamo has traced; there both sides s
 ``compilation_config.cache_dir`` to ``torch_compile_cache/mx-<compile key>`` before
 compiling (vLLM uses a preset ``cache_dir`` as it is), unless the operator set one.
 
+Triton's kernels (inductor's generated ones, and vLLM's own Triton ops that its
+warm-up JIT-compiles after CUDA graph capture) go where ``TRITON_CACHE_DIR`` points
+when they are built. vLLM sets it, as it starts compiling, to
+``torch_compile_cache/<config hash>/rank_<r>_<dp>/triton_cache`` (its config hash covers
+the checkpoint's path); before that it is the process's own (``TRITON_CACHE_DIR`` or
+``~/.triton/cache``). Triton's cache is content-addressed (one directory per kernel
+key), so its entries travel as two kinds without prefixes: :data:`TRITON_KIND` (the
+process's own directory) and :data:`VLLM_TRITON_KIND` (the one vLLM set). A target
+installs both into its own directory and links them into vLLM's the moment vLLM names
+it (its "Using cache directory" record, logged just before it points Triton there).
+
 Whether the engine used the files is observed, not assumed: :class:`CompileObserver`
 reads vLLM's own compilation log records (AOT loaded, AOT load failed and compiled
 again, compiled and saved, and the directory each names), and the target compares
 the cache directory before and after: a kernel file the engine wrote is a kernel it
-did not find in the pulled cache.
+did not find in the pulled cache. The observer also sees the engine become fully
+warm (vLLM's "init engine ... took" or, in a worker of its own, "Kernel JIT monitor
+activated"): a source publishes only then, with every kernel its warm-up built.
 
 Every vLLM name this feature touches is in this module.
 """
@@ -48,6 +61,7 @@ import os
 import pathlib
 import platform
 import re
+import shutil
 import sys
 import threading
 import time
@@ -61,18 +75,27 @@ if TYPE_CHECKING:
     from torch import nn
     from vllm.config import VllmConfig
 
-__all__ = ["KIND", "TRITON_KIND", "CompileLayout", "CompileObserver", "artifact_identity",
-           "MODELINFOS", "compile_disabled_reason", "config_drift", "config_snapshot",
-           "layout_of", "modelinfos_identity", "platform_facts", "software_facts"]
+__all__ = ["KIND", "TRITON_KIND", "VLLM_TRITON_KIND", "CompileLayout", "CompileObserver",
+           "artifact_identity", "MODELINFOS", "compile_disabled_reason", "config_drift",
+           "config_snapshot", "layout_of", "link_entries", "modelinfos_identity",
+           "platform_facts", "process_start_time", "software_facts", "triton_entries",
+           "vllm_triton_dir"]
 
 log = logging.getLogger(__name__)
 
 KIND = "vllm_compile"
 """Artifact kind of files under ``VLLM_CACHE_ROOT``."""
 TRITON_KIND = "triton"
-"""Artifact kind of files under Triton's own cache (``TRITON_CACHE_DIR``) when it lies
-outside vLLM's directory (Triton kernels of vLLM's own ops, not inductor's)."""
+"""Artifact kind of Triton cache entries from the process's own Triton directory
+(``TRITON_CACHE_DIR`` at load time, or ``~/.triton/cache``)."""
+VLLM_TRITON_KIND = "triton_vllm"
+"""Artifact kind of Triton cache entries from the directory vLLM points Triton at while
+it compiles and warms up (:func:`vllm_triton_dir`): inductor's kernels and vLLM's own
+Triton ops."""
 _COMPILE_LOGGER = "vllm.compilation"
+# Loggers of the records that say the engine is fully warm (each raised to INFO if
+# needed, as the compilation logger is: our markers are INFO records).
+_WARM_LOGGERS = ("vllm.v1.engine.core", "vllm.utils.jit_monitor")
 
 
 def compile_disabled_reason(vllm_config: "VllmConfig") -> str | None:
@@ -102,7 +125,8 @@ class CompileLayout:
         snapshot: the config's simple fields at load time (see :func:`config_drift`).
         modules: ``(qualname, forward key)`` of each module vLLM compiles.
         backend_prefix: without AOT, the ``cache_dir`` both sides compile into.
-        triton_dir: Triton's cache directory when it is outside ``cache_root``, else None.
+        triton_dir: this process's own Triton cache directory at load time
+            (``TRITON_CACHE_DIR`` or ``~/.triton/cache``); None without Triton or CUDA.
     """
 
     cache_root: pathlib.Path
@@ -116,9 +140,12 @@ class CompileLayout:
 
     @property
     def roots(self) -> dict[str, pathlib.Path]:
+        """Kind -> where a target installs it: both Triton kinds go to its own Triton
+        directory (linked into vLLM's once vLLM names it, :func:`link_entries`)."""
         roots = {KIND: self.cache_root}
         if self.triton_dir is not None:
             roots[TRITON_KIND] = self.triton_dir
+            roots[VLLM_TRITON_KIND] = self.triton_dir
         return roots
 
     def prefixes(self, vllm_config: "VllmConfig",
@@ -136,14 +163,13 @@ class CompileLayout:
         return out
 
     def source_dirs(self, prefixes: dict[str, str]) -> list[tuple[str, str]]:
-        """The directories a source packs: each prefix's shared part and this rank's."""
+        """The directories a source packs: each prefix's shared part and this rank's
+        (Triton's entries are added by the caller: :func:`triton_entries`)."""
         dirs = []
         for prefix in prefixes.values():
             dirs.append((KIND, f"{prefix}/{self.rank_dir}"))
             if self.aot:
                 dirs.append((KIND, f"{prefix}/inductor_cache"))
-        if self.triton_dir is not None:
-            dirs.append((TRITON_KIND, "."))
         return dirs
 
     def units(self, prefixes: dict[str, str]) -> list[InstallUnit]:
@@ -307,11 +333,11 @@ def layout_of(vllm_config: "VllmConfig", model: "nn.Module") -> CompileLayout:
                          rank_dir=rank_dir, key=key, snapshot=config_snapshot(vllm_config),
                          modules=tuple((m.forward.__qualname__, _forward_key(m))
                                        for m in _compiled_modules(model)),
-                         backend_prefix=backend, triton_dir=_triton_dir_outside(root))
+                         backend_prefix=backend, triton_dir=_own_triton_dir())
 
 
-def _triton_dir_outside(root: pathlib.Path) -> pathlib.Path | None:
-    """Triton's cache when Triton is installed and its cache is not under ``root``."""
+def _own_triton_dir() -> pathlib.Path | None:
+    """This process's Triton cache now, when Triton is installed and CUDA is there."""
     try:
         importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
@@ -323,9 +349,87 @@ def _triton_dir_outside(root: pathlib.Path) -> pathlib.Path | None:
             return None  # CPU engines compile C++; Triton's cache is not theirs
     except ImportError:
         return None
-    path = pathlib.Path(os.environ.get("TRITON_CACHE_DIR")
+    return pathlib.Path(os.environ.get("TRITON_CACHE_DIR")
                         or pathlib.Path.home() / ".triton" / "cache")
-    return None if path.is_relative_to(root) else path
+
+
+def vllm_triton_dir(local_cache_dir: str) -> pathlib.Path | None:
+    """The Triton directory vLLM sets for a compile whose cache directory it logged
+    ("Using cache directory: <cache_dir>/rank_<r>_<dp>/<prefix>"): its inductor adapter
+    points ``TRITON_CACHE_DIR`` at ``<cache_dir>/rank_<r>_<dp>/triton_cache``."""
+    found = re.match(r"(.*/rank_\d+_\d+)(?:/.*)?$", local_cache_dir.rstrip("/"))
+    return pathlib.Path(found.group(1)) / "triton_cache" if found else None
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock), from ``/proc``; the module's import time
+    where ``/proc`` cannot say."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+def triton_entries(directory: pathlib.Path | None, since: float | None = None) -> list[str]:
+    """Triton cache entries (one directory per kernel key) under ``directory``, sorted.
+
+    Args:
+        since: only entries with a file written at or after this wall-clock time (a
+            directory other processes share, e.g. ``~/.triton/cache``: what this
+            process built, not the host's history); None: all.
+    """
+    if directory is None or not directory.is_dir():
+        return []
+    out = []
+    for entry in sorted(directory.iterdir()):
+        if not entry.is_dir() or entry.is_symlink() or entry.name.startswith("."):
+            continue
+        if since is not None:
+            try:
+                newest = max((f.stat().st_mtime for f in entry.iterdir()), default=0.0)
+            except OSError:
+                continue
+            if newest < since:
+                continue
+        out.append(entry.name)
+    return out
+
+
+def link_entries(src: pathlib.Path, dst: pathlib.Path, files: list[str]) -> int:
+    """Make the Triton entry files ``files`` (paths relative to ``src``) present under
+    ``dst``: hard links (a copy across file systems), never over an existing file;
+    group files (``__grp__*``) last, as Triton reads them to find the others.
+
+    Returns:
+        How many files were added.
+    """
+    added = 0
+    for rel in sorted(files, key=lambda r: pathlib.PurePosixPath(r).name.startswith("__grp__")):
+        target = dst / rel
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src / rel, target)
+        except FileExistsError:
+            continue
+        except OSError:
+            try:
+                tmp = target.with_name(f".{target.name}.mx-{os.getpid()}")
+                shutil.copyfile(src / rel, tmp)
+                os.replace(tmp, target)
+            except OSError as exc:
+                log.debug("modelexpress: could not link %s into %s: %s", rel, dst, exc)
+                continue
+        added += 1
+    return added
 
 
 def platform_facts(device: Any) -> dict[str, str]:
@@ -408,6 +512,8 @@ class CompileEvents:
     load_failure: str = ""
     dirs: list[str] = dataclasses.field(default_factory=list)
     done_at: float | None = None
+    backend_dirs: list[str] = dataclasses.field(default_factory=list)
+    warm_at: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -464,11 +570,14 @@ def split_new_files(new: set[str]) -> tuple[int, int]:
 
 
 class CompileObserver(logging.Handler):
-    """Watches vLLM's compilation log records in this process; fires once compiling ends.
+    """Watches vLLM's log records in this process: compilation, then the engine warm.
 
     Attach it before vLLM compiles (the loader does, in ``load_model``); ``wait()``
     returns the :class:`CompileEvents` once vLLM logged that its compilation ended (a
-    save, a load, or its "torch.compile took" line), or None at the deadline.
+    save, a load, or its "torch.compile took" line), or None at the deadline;
+    ``wait_warm()`` once the engine is fully warm (after CUDA graph capture and the
+    warm-up that follows it). ``on_backend_dir`` is called on vLLM's thread with the
+    directory of each "Using cache directory" record, before vLLM compiles into it.
     """
 
     _MARKERS = (
@@ -480,17 +589,28 @@ class CompileObserver(logging.Handler):
         ("Directly load the compiled graph", "graph_cache_loaded"),
     )
     _ENDS = ("aot_saved", "compiled", "aot_loaded")
+    # The engine is warm: the engine core's last start-up line (in the worker's
+    # process with one worker), or a worker's last warm-up step (vLLM 0.26+).
+    _WARM = ("init engine (profile, create kv cache, warmup model) took",
+             "Kernel JIT monitor activated")
+    _BACKEND_DIR = re.compile(r"Using cache directory: (\S+) for vLLM's torch\.compile")
 
-    def __init__(self) -> None:
+    def __init__(self, on_backend_dir: "Any" = None) -> None:
         super().__init__(level=logging.INFO)
         self.events = CompileEvents()
         self._done = threading.Event()
-        self._logger = logging.getLogger(_COMPILE_LOGGER)
+        self._warm = threading.Event()
+        self._on_backend_dir = on_backend_dir
+        # The records come from vllm.* loggers; "vllm" sees them all (vLLM's own
+        # handler sits there too, and its children propagate to it).
+        self._logger = logging.getLogger("vllm")
 
     def attach(self) -> "CompileObserver":
         self._logger.addHandler(self)
-        if self._logger.getEffectiveLevel() > logging.INFO:
-            self._logger.setLevel(logging.INFO)  # our markers are INFO records
+        for name in (_COMPILE_LOGGER, *_WARM_LOGGERS):
+            logger = logging.getLogger(name)
+            if logger.getEffectiveLevel() > logging.INFO:
+                logger.setLevel(logging.INFO)  # our markers are INFO records
         return self
 
     def detach(self) -> None:
@@ -500,6 +620,21 @@ class CompileObserver(logging.Handler):
         try:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a handler must never raise into vLLM
+            return
+        if any(marker in message for marker in self._WARM):
+            if self.events.warm_at is None:
+                self.events.warm_at = time.time()
+            self._warm.set()
+            return
+        backend = self._BACKEND_DIR.search(message)
+        if backend:
+            self.events.backend_dirs.append(backend.group(1))
+            if self._on_backend_dir is not None:
+                try:
+                    self._on_backend_dir(backend.group(1))
+                except Exception:  # noqa: BLE001 - never into vLLM; the cost is a compile
+                    log.warning("modelexpress: preparing vLLM's cache directory %s failed",
+                                backend.group(1), exc_info=True)
             return
         found = _AOT_PATH.search(message)
         if found:  # .../torch_aot_compile/<H>/rank_r_dp/model -> .../<H>
@@ -518,6 +653,10 @@ class CompileObserver(logging.Handler):
 
     def wait(self, timeout_s: float) -> CompileEvents | None:
         return self.events if self._done.wait(timeout_s) else None
+
+    def wait_warm(self, timeout_s: float) -> bool:
+        """True once the engine logged that it is fully warm; False at the deadline."""
+        return self._warm.wait(timeout_s)
 
 
 _AOT_PATH = re.compile(r"(?:compiled function to|compilation from path|load failure from) "

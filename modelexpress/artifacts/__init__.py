@@ -9,7 +9,8 @@ verifies and installs them before it compiles, and compiles nothing or little.
 * :class:`ArtifactKey` (``MX_ARTIFACT_KEY``, HMAC-SHA256) lives in :mod:`modelexpress.signing`,
   below the settings that check the key at start-up.
 * ``install.py``: :func:`install_set`: verified, staged, renamed; never over a cache.
-* ``exchange.py``: :func:`pack_files`, :func:`serve_packed`, :func:`pull_artifacts`.
+* ``exchange.py``: :func:`pack_files`, :func:`buffer_from`, :func:`serve_packed`,
+  :func:`pull_artifacts`.
 
 Engine-specific knowledge (where vLLM keeps its cache, what must match, whether the
 engine used the files) lives in the engine adapter
@@ -17,9 +18,9 @@ engine used the files) lives in the engine adapter
 torch nor NIXL.
 """
 
-from modelexpress.artifacts.exchange import (ATTR_SET, ATTR_SIGNATURE, BLOB, OUTCOMES,
-                                             ArtifactPull, pack_files, pull_artifacts,
-                                             serve_packed, signed_payload)
+from modelexpress.artifacts.exchange import (ATTR_SET, ATTR_SIGNATURE, ATTR_VARIANTS, BLOB,
+                                             OUTCOMES, ArtifactPull, buffer_from, pack_files,
+                                             pull_artifacts, serve_packed, signed_payload)
 from modelexpress.artifacts.install import InstallResult, install_set, verify_blob
 from modelexpress.artifacts.manifest import (ArtifactFile, ArtifactSet, InstallUnit,
                                              check_relative_path, collect_files)
@@ -28,11 +29,13 @@ from modelexpress.signing import ArtifactKey
 __all__ = [
     "ATTR_SET",
     "ATTR_SIGNATURE",
+    "ATTR_VARIANTS",
     "ArtifactFile",
     "ArtifactKey",
     "ArtifactPull",
     "ArtifactSet",
     "BLOB",
+    "buffer_from",
     "InstallResult",
     "InstallUnit",
     "OUTCOMES",

@@ -7,11 +7,15 @@ server keeps only metadata (the set and its signature ride in the manifest's
 attributes). A target:
 
 1. lists READY sources of the artifact identity (none: ``miss``);
-2. checks the first one's set and signature *before* any byte moves (bad, unsigned,
+2. groups them by content (the control plane's manifest fingerprint): engines that
+   compiled for themselves serve sets of other bytes under one identity, published as
+   content variants (``mx_variants: by-content``), which the control plane lets
+   coexist; the group most replicas serve comes first;
+3. checks a source's set and signature *before* any byte moves (bad, unsigned,
    another key: that source is passed over; all bad: ``refused``);
-3. pulls the blob with :func:`~modelexpress.p2p.pull` (the verified source first,
-   digests checked by the data plane);
-4. checks every file against the signed sha256 and installs (``install.py``):
+4. pulls the blob with :func:`~modelexpress.p2p.pull` from the sources that serve
+   exactly the verified set (the verified one first, digests checked by the data plane);
+5. checks every file against the signed sha256 and installs (``install.py``):
    ``installed``, ``present`` (its own cache is there; untouched) or ``refused``.
 
 Outcomes are strings (:data:`OUTCOMES`) because they end up in logs, load reports and
@@ -39,14 +43,19 @@ if TYPE_CHECKING:
     from modelexpress.local import HostBuffer, LocalOptions
     from modelexpress.p2p import PullOptions, SourceHandle
 
-__all__ = ["ATTR_SET", "ATTR_SIGNATURE", "BLOB", "OUTCOMES", "ArtifactPull", "pack_files",
-           "pull_artifacts", "serve_packed", "signed_payload"]
+__all__ = ["ATTR_SET", "ATTR_SIGNATURE", "ATTR_VARIANTS", "BLOB", "OUTCOMES", "ArtifactPull",
+           "buffer_from", "pack_files", "pull_artifacts", "serve_packed", "signed_payload"]
 
 log = logging.getLogger(__name__)
 
 ATTR_SET = "mx_artifacts"
 ATTR_SIGNATURE = "mx_artifacts_signature"
+ATTR_VARIANTS = "mx_variants"
+"""Manifest attribute: ``by-content`` declares that sources of this identity may serve
+different contents side by side (``server/content.py``); a reader picks one content."""
 BLOB = "artifacts"
+# Sources whose sets are checked (one get_source each) before one is chosen.
+_MAX_CANDIDATES = 16
 OUTCOMES = ("installed", "present", "miss", "refused", "off", "error")
 """``installed``: written into this engine's cache roots; ``present``: the engine had a
 cache of its own (left alone); ``miss``: no source serves this artifact identity;
@@ -68,6 +77,9 @@ class ArtifactPull:
         install_seconds: verification and writing.
         transport: the transport the blob came over (``local``, ``cma``, ``rc_mlx5``...).
         install: the :class:`~modelexpress.artifacts.install.InstallResult`, if any.
+        aset, blob: the verified set and its bytes (a ``uint8`` tensor) once installed,
+            for an engine that serves what it installed (:func:`buffer_from`).
+        variants: how many distinct contents READY sources served.
     """
 
     outcome: str
@@ -80,6 +92,9 @@ class ArtifactPull:
     install_seconds: float = 0.0
     transport: str = ""
     install: InstallResult | None = None
+    aset: ArtifactSet | None = None
+    blob: Any = None
+    variants: int = 0
 
 
 def pack_files(roots: Mapping[str, pathlib.Path], dirs: Sequence[tuple[str, str]], *,
@@ -124,19 +139,34 @@ def pack_files(roots: Mapping[str, pathlib.Path], dirs: Sequence[tuple[str, str]
     return aset, buf
 
 
+def buffer_from(raw: bytes | memoryview, *, name: str = "mx-artifacts") -> "HostBuffer":
+    """A new host buffer holding ``raw`` (a pulled blob, to serve it again as it came)."""
+    from modelexpress.local import HostBuffer
+
+    size = len(raw)
+    buf = HostBuffer(max(size, 1), name=name)
+    view = memoryview(buf.tensor(0, (max(size, 1),), _uint8()).numpy()).cast("B")
+    view[:size] = raw
+    view.release()
+    return buf
+
+
 def serve_packed(identity: "ModelIdentity", aset: ArtifactSet, buf: "HostBuffer", *,
                  key: ArtifactKey, client: "MxClient", local: "LocalOptions | None" = None,
                  manager: Any = None, backend: str = "UCX", heartbeat_interval_s: float = 5.0,
                  guardian: bool = False) -> "SourceHandle":
     """Publish a packed set as a READY source of ``identity`` (signed with ``key``).
 
-    The handle owns ``buf``: closing it withdraws the source and frees the buffer.
+    The handle owns ``buf``: closing it withdraws the source and frees the buffer. The
+    set is published as a content variant: a replica that compiled for itself serves
+    other bytes beside it, and the control plane keeps both.
     """
     from modelexpress.p2p import serve_source
 
     blob = buf.tensor(0, (max(aset.total_bytes, 1),), _uint8())
     attributes = {ATTR_SET: aset.to_json(),
-                  ATTR_SIGNATURE: key.sign(signed_payload(identity.id, aset))}
+                  ATTR_SIGNATURE: key.sign(signed_payload(identity.id, aset)),
+                  ATTR_VARIANTS: "by-content"}
     try:
         handle = serve_source(identity, {BLOB: blob}, client=client, manager=manager,
                               backend=backend, heartbeat_interval_s=heartbeat_interval_s,
@@ -207,43 +237,59 @@ def pull_artifacts(identity: "ModelIdentity", *, key: ArtifactKey | None,
         return ArtifactPull("error", f"listing artifact sources failed: {exc}")
     if not ready:
         return ArtifactPull("miss", f"no READY source serves artifact identity {identity.id}")
+    groups = _by_content(ready)
     refusals: list[str] = []
     chosen = None
-    for summary in ready:
-        try:
-            info = client.get_source(summary.id)
-            aset = _checked_set(info, key, identity.id)
-            for name, want in (check_facts or {}).items():
-                if aset.facts.get(name) != want:
-                    raise ArtifactRefusedError(f"the set's {name} is {aset.facts.get(name)!r}, "
-                                               f"this engine has {want!r}")
-        except ArtifactRefusedError as exc:
-            refusals.append(f"source {summary.id}: {exc}")
-            log.warning("artifacts: refusing source %s: %s", summary.id, exc)
-            continue
-        except MxError as exc:
-            refusals.append(f"source {summary.id}: {exc}")
-            continue
-        chosen = (info, aset)
-        break
+    checked = 0
+    for group in groups:
+        for summary in group:
+            if checked >= _MAX_CANDIDATES:
+                break
+            checked += 1
+            try:
+                info = client.get_source(summary.id)
+                aset = _checked_set(info, key, identity.id)
+                for name, want in (check_facts or {}).items():
+                    if aset.facts.get(name) != want:
+                        raise ArtifactRefusedError(
+                            f"the set's {name} is {aset.facts.get(name)!r}, this engine has "
+                            f"{want!r}")
+            except ArtifactRefusedError as exc:
+                refusals.append(f"source {summary.id}: {exc}")
+                log.warning("artifacts: refusing source %s: %s", summary.id, exc)
+                continue
+            except MxError as exc:
+                refusals.append(f"source {summary.id}: {exc}")
+                continue
+            chosen = (info, aset, group)
+            break
+        if chosen is not None:
+            break
     if chosen is None:
-        return ArtifactPull("refused", "; ".join(refusals))
-    info, aset = chosen
+        return ArtifactPull("refused", "; ".join(refusals), variants=len(groups))
+    info, aset, group = chosen
     from modelexpress.p2p import pull
 
+    # Only the sources that serve this very set: a candidate of another content would
+    # pass the data plane's digests (its own) and fail the set's sha256 after the pull.
+    same = {s.worker_id for s in group}
+    others = tuple(sorted({s.worker_id for s in ready} - same))
     got: dict[str, Any] = {}
     t0 = time.perf_counter()
     try:
         result = pull(identity, None, client=client, manager=manager, fetched=[info],
-                      options=options.replace(prefer=(info.id,)),
+                      options=options.replace(prefer=(info.id,), stripe=1,
+                                              exclude_workers=(*options.exclude_workers,
+                                                               *others)),
                       on_destination=got.update)
     except MxError as exc:
         return ArtifactPull("error", f"pulling the artifact blob failed: {exc}",
-                            source_id=info.id, kinds=tuple(aset.kinds))
+                            source_id=info.id, kinds=tuple(aset.kinds), variants=len(groups))
     pull_seconds = time.perf_counter() - t0
     blob = got.get(BLOB)
     out = ArtifactPull("installed", source_id=info.id, kinds=tuple(aset.kinds),
-                       pull_seconds=pull_seconds, transport=result.transport)
+                       pull_seconds=pull_seconds, transport=result.transport,
+                       variants=len(groups))
     try:
         if blob is None:
             raise ArtifactRefusedError(f"the source's manifest has no {BLOB!r} tensor")
@@ -264,4 +310,17 @@ def pull_artifacts(identity: "ModelIdentity", *, key: ArtifactKey | None,
     out.files, out.bytes = installed.files, installed.bytes
     if installed.outcome == "present":
         out.outcome, out.reason = "present", installed.reason
+    else:
+        out.aset, out.blob = aset, blob
     return out
+
+
+def _by_content(ready: Sequence[Any]) -> list[list[Any]]:
+    """READY sources grouped by the content they serve (the control plane's fingerprint;
+    a record without one is a group of its own), the group most sources serve first,
+    then in the control plane's order."""
+    groups: dict[str, list[Any]] = {}
+    for i, summary in enumerate(ready):
+        groups.setdefault(getattr(summary, "fingerprint", "") or f"#{i}", []).append(summary)
+    ordered = list(groups.values())  # dicts keep first-seen order: the server's
+    return sorted(ordered, key=lambda group: -len(group))  # stable: ties keep that order

@@ -254,3 +254,46 @@ def test_a_signature_binds_the_identity_it_was_made_for() -> None:
     key.verify(signed_payload("a" * 32, aset), sig)
     with pytest.raises(ArtifactRefusedError, match="changed after"):
         key.verify(signed_payload("b" * 32, aset), sig)  # republished under another identity
+
+
+@pytest.mark.nixl
+def test_replicas_serve_sets_side_by_side_and_a_target_pulls_one_content(server, tmp_path) -> None:  # noqa: ANN001
+    """Replicas that compiled for themselves serve other bytes under one identity: no
+    409; a target takes the content most replicas serve, reads only from those, and
+    serving what it installed publishes exactly that content again."""
+    import numpy as np
+
+    from modelexpress.artifacts import buffer_from, serve_packed
+    from modelexpress.client import MxClient
+    from modelexpress.identity import ModelIdentity
+    from modelexpress.local import LocalOptions
+
+    one, other = _cache_dir(tmp_path / "one"), _cache_dir(tmp_path / "other")
+    procs = []
+    try:
+        for name, root in (("a", one), ("b", other), ("a2", one)):
+            proc, info = _source(server, root, tmp_path / f"{name}.log")
+            procs.append(proc)
+        with MxClient(server.url, token=server.token, timeout_s=10.0) as client:
+            ident = ModelIdentity(model="artifact-test", extra=(("kind", "artifacts-test"),))
+            ready = client.list_sources(identity=ident, state="READY")
+            assert len(ready) == 3 and len({s.fingerprint for s in ready}) == 2
+            result = _pull(server, tmp_path / "dst")
+            assert result.outcome == "installed" and result.variants == 2, result
+            for rel in ("shared/ab/cabc.so", "rank_0_0/model"):
+                assert (tmp_path / "dst/mine" / rel).read_bytes() == \
+                    (one / "cache" / rel).read_bytes()
+            # the target serves the set it installed, byte for byte: the same content
+            raw = memoryview(np.ascontiguousarray(result.blob.numpy())).cast("B")
+            handle = serve_packed(ident, result.aset, buffer_from(raw[:result.aset.total_bytes]),
+                                  key=ArtifactKey(KEY.encode()), client=client,
+                                  local=LocalOptions(ipc_dir="off"), heartbeat_interval_s=0.5)
+            try:
+                mine = client.get_source(handle.source_id)
+                theirs = client.get_source(result.source_id)
+                assert mine.state == "READY" and mine.fingerprint == theirs.fingerprint
+            finally:
+                handle.close()
+    finally:
+        for proc in procs:
+            proc.stop()

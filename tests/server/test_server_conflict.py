@@ -78,6 +78,31 @@ def test_a_source_may_republish_itself_and_digests_of_other_algorithms_do_not_co
     assert client.publish_source(lone, "w1", manifest=real_manifest(seed=5)).state == "READY"
 
 
+def _variant(seed: int, host: str = "h1") -> dict[str, Any]:
+    manifest = real_manifest(host, seed=seed)
+    manifest["attributes"] = {"mx_variants": "by-content"}
+    return manifest
+
+
+def test_content_variants_coexist_and_list_their_fingerprints(client: MxClient) -> None:
+    """Compiled-artifact sets: replicas that compiled for themselves publish other
+    bytes under one identity, declared as content variants; none is refused, and the
+    fingerprints tell a reader which sources serve the same content."""
+    ident = make_identity(_uid("variants"))
+    a = client.publish_source(ident, "a", manifest=_variant(seed=0))
+    b = client.publish_source(ident, "b", manifest=_variant(seed=100, host="h2"))
+    a2 = client.publish_source(ident, "a2", manifest=_variant(seed=0, host="h3"))
+    ready = client.list_sources(identity=ident, state="READY")
+    assert sorted(s.worker_id for s in ready) == ["a", "a2", "b"]
+    assert a.fingerprint == a2.fingerprint != b.fingerprint
+    # A manifest that does not declare variants keeps the rule, against variants too.
+    with pytest.raises(ConflictError, match="409"):
+        client.publish_source(ident, "plain", manifest=real_manifest(seed=7))
+    # A variant revived from STALE is not refused either.
+    client.mark_stale(b.id)
+    assert client.heartbeat(b.id).state == "READY"
+
+
 def test_a_refused_republish_keeps_the_previous_record(client: MxClient) -> None:
     ident = make_identity(_uid("keep"))
     client.publish_source(ident, "w1", manifest=real_manifest(seed=0))
