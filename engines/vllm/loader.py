@@ -106,6 +106,9 @@ class LoadReport:
         artifacts: the :class:`~modelexpress.engines.vllm.artifacts.ArtifactReport` of
             this rank's compiled artifacts (its outcome is final once vLLM compiled:
             ``artifacts.done`` is set).
+        phases: where ``load_model``'s wall time went, in seconds (``agent``, ``model``
+            (vLLM's model construction), ``weights``, ``post_processing``, ``probe``,
+            ``serve``, ``artifacts``, ``other``); logged as one line.
     """
 
     identity: ModelIdentity
@@ -122,6 +125,7 @@ class LoadReport:
     probe_seconds: float = 0.0
     seconds: float = 0.0
     artifacts: Any = None
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -206,10 +210,17 @@ class MxModelLoader(BaseModelLoader):
         identity = identity_from_vllm(vllm_config, model_config,
                                       extra=self.options.identity_extra)
         report = LoadReport(identity=identity)
-        # The NIXL agent starts while vLLM builds the model: its fixed cost leaves the
-        # load's critical path, and the same agent serves the weights afterwards.
+        # The NIXL agent (about a second or two to start, UCX included) is made here only
+        # when this engine will serve what it loads, where the same agent then serves
+        # it. A target that only pulls gets none: a pull from a peer on this host needs
+        # none, and one over NIXL makes its own (p2p.pull). A disk load that serves
+        # after a failed pull makes it then (_manager).
+        self._device = device
+        will_serve = self.options.serve_after_pull if self.options.pull else self.options.serve
+        t_agent = time.perf_counter()
         self._nixl = (AgentStart(self.options.pull_options.backend, device)
-                      if self.options.pull or self.options.serve else None)
+                      if will_serve else None)
+        report.phases["agent"] = time.perf_counter() - t_agent
         with _vllm_config_context(vllm_config), set_default_torch_dtype(model_config.dtype), \
                 maybe_enter_vmm_arena(self._arena_wanted(device), device=device.index or 0,
                                       total_bytes=self.options.vmm_arena_bytes) as arena:
@@ -223,12 +234,15 @@ class MxModelLoader(BaseModelLoader):
             # (vLLM 0.26 on one H200: CUBLAS_STATUS_EXECUTION_FAILED in the first forward).
             _arenas[model] = arena
         report.seconds = time.perf_counter() - start
+        t_serve = time.perf_counter()
         report.serving = self._maybe_serve(model, identity, report, loaded, arena)
+        report.phases["serve"] = time.perf_counter() - t_serve
         if not report.serving and self._nixl is not None:
             self._nixl.close()  # nothing serves: no idle agent for the process's lifetime
             self._nixl = None
         # Compiled artifacts: pulled now (vLLM compiles after load_model returns), served
         # once vLLM has compiled; the step lives as long as the model.
+        t_artifacts = time.perf_counter()
         try:
             step = ArtifactStep(self.options, self._client, self._manager, vllm_config, model,
                                 identity, device, pulled_weights=report.source == "peer")
@@ -239,6 +253,11 @@ class MxModelLoader(BaseModelLoader):
         else:
             weakref.finalize(model, step.close)
             report.artifacts = step.report
+        report.phases["artifacts"] = time.perf_counter() - t_artifacts
+        phases = report.phases
+        phases.update(weights=report.weights_seconds, post_processing=report.post_process_seconds,
+                      probe=report.probe_seconds)
+        phases["other"] = max(0.0, time.perf_counter() - start - sum(phases.values()))
         self.last_report = report
         logger.info("modelexpress: %s rank %d loaded from %s in %.2f s (weights %.3f s, "
                     "post-processing %.3f s, probe %.3f s)%s%s", model_config.model,
@@ -248,13 +267,17 @@ class MxModelLoader(BaseModelLoader):
                     "; serving it" if report.serving else
                     (f"; not serving: {report.not_serving_reason}"
                      if report.not_serving_reason else ""))
+        logger.info("modelexpress: rank %d load_model phases: %s", identity.rank,
+                    ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()))
         return model.eval()
 
     # --- the two paths ----------------------------------------------------------------
     def _load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
               device: torch.device, report: LoadReport) -> tuple[nn.Module, _Loaded]:
         registrations = _LayerRegistrations(vllm_config)
+        t0 = time.perf_counter()
         model = self._create(vllm_config, model_config, prefix, device)
+        report.phases["model"] = time.perf_counter() - t0
         online = _has_online_quant(model)
         if not self.options.pull:
             report.fallback_reason = "pull disabled (mx_pull=false)"
@@ -280,7 +303,9 @@ class MxModelLoader(BaseModelLoader):
                     self._nixl = None
                 del model
                 _release_cached_memory()
+                t0 = time.perf_counter()
                 model = self._create(vllm_config, model_config, prefix, device)
+                report.phases["model"] += time.perf_counter() - t0
                 report.recreated = True
         logger.info("modelexpress: loading %s from disk with the %s loader (%s)",
                     model_config.model, self.options.fallback_load_format,
@@ -314,7 +339,8 @@ class MxModelLoader(BaseModelLoader):
                             len(ready))
                 attempt.touched = True
                 t0 = time.perf_counter()
-                result = pull(identity, tensors, client=client, manager=self._manager(),
+                result = pull(identity, tensors, client=client,
+                              manager=self._manager(create=False),
                               options=self.options.pull_options)
                 report.weights_seconds = time.perf_counter() - t0
                 report.pull_result = result
@@ -482,9 +508,15 @@ class MxModelLoader(BaseModelLoader):
             return False
         return self.options.vmm_arena
 
-    def _manager(self) -> Any:
-        """The NIXL manager created while the model was being built (None: make one)."""
-        return self._nixl.get() if self._nixl is not None else None
+    def _manager(self, create: bool = True) -> Any:
+        """The loader's NIXL manager; started now if there is none and ``create``
+        (serving needs one), else None (a pull makes its own when it needs NIXL)."""
+        if self._nixl is None:
+            if not create:
+                return None
+            self._nixl = AgentStart(self.options.pull_options.backend,
+                                    getattr(self, "_device", None))
+        return self._nixl.get()
 
     def _client(self) -> "MxClient":
         from modelexpress.client import MxClient
@@ -545,12 +577,13 @@ def _has_online_quant(model: nn.Module) -> bool:
 
 
 def _post_process(model: nn.Module, model_config: ModelConfig, device: torch.device) -> None:
-    """vLLM's post-load steps, in the order its base loader runs them."""
-    _release_cached_memory()
+    """vLLM's post-load steps, in the order its base loader runs them, and nothing more:
+    a full ``gc.collect()`` before and after them cost 0.8 s in a vLLM process whatever
+    the model's size (the Python heap of vLLM's imports), and vLLM's own loader runs
+    neither. (The re-create path still releases the discarded model's memory first.)"""
     if _has_online_quant(model):
         finalize_layerwise_processing(model, model_config)
     process_weights_after_loading(model, model_config, device)
-    _release_cached_memory()
 
 
 def _release_cached_memory() -> None:
