@@ -116,13 +116,16 @@ class LlmEngine:
         serve: stay alive after answering until :meth:`stop`.
         prompts, max_tokens: what to answer greedily.
         kv_cache_memory_bytes: a fixed KV cache (vLLM skips its memory profiling).
+        spec: more keys of the harness's spec (``vllm_gpu_llm.py``: ``events``,
+            ``logprobs``, ``gpu_memory_utilization``...).
     """
 
     def __init__(self, name: str, model: pathlib.Path, log_dir: pathlib.Path, *,
                  load_format: str, env: Mapping[str, str],
                  extra_config: Mapping[str, Any] | None = None, enforce_eager: bool = True,
                  serve: bool = False, prompts: Sequence[Sequence[int]] = PROMPTS,
-                 max_tokens: int = 16, kv_cache_memory_bytes: int | None = None) -> None:
+                 max_tokens: int = 16, kv_cache_memory_bytes: int | None = None,
+                 spec: Mapping[str, Any] | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self.out = log_dir / f"{name}.json"
@@ -132,7 +135,7 @@ class LlmEngine:
                       "extra_config": dict(extra_config or {}), "enforce_eager": enforce_eager,
                       "prompts": [list(p) for p in prompts], "max_tokens": max_tokens,
                       "serve_until": str(self._stop_file) if serve else None,
-                      "kv_cache_memory_bytes": kv_cache_memory_bytes}
+                      "kv_cache_memory_bytes": kv_cache_memory_bytes, **(spec or {})}
         self._env = dict(env)
         self.proc: subprocess.Popen[bytes] | None = None
         self.result: dict[str, Any] | None = None

@@ -8,8 +8,14 @@ in a fresh CUDA context). The spec (JSON) holds:
 ``model_loader_extra_config``), ``enforce_eager``, ``prompts`` (token-id lists),
 ``max_tokens``, ``t0`` (the parent's ``time.time()`` just before it started this
 process: time to ready counts process start and imports), ``serve_until`` (a path:
-after answering, stay alive until it exists, so that peers can pull), and
-``serve_max_s`` (the bound of that wait).
+after answering, stay alive until it exists, so that peers can pull),
+``serve_max_s`` (the bound of that wait), and optionally ``events`` (a path: every
+vLLM and modelexpress log record as one JSON line with its wall-clock time, to the
+microsecond, where vLLM's own lines have seconds; ``bench/time_to_ready_gpu.py``
+reads where the start-up went from it), ``logprobs`` (ask for the top-N log
+probabilities of each generated token: the result then holds the smallest gap between
+the chosen token and the runner-up, so ties in the greedy choice show), and
+``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``, ``dtype``.
 
 Settings that make vLLM 0.26 run on an H200 host from its staged parts
 (``../shared/GPU_VLLM.md``): the Triton attention backend (no FlashInfer there),
@@ -18,7 +24,10 @@ token-id prompts with ``skip_tokenizer_init`` (no tokenizer files), a small
 in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the parent).
 
 The result JSON: ``tokens`` (one list per prompt), ``ready_s`` (t0 to the engine
-built), ``llm_s`` (``LLM(...)`` alone), ``import_s``, ``vllm_version``, ``pid``.
+built), ``llm_s`` (``LLM(...)`` alone), ``import_s``, ``t_llm`` and ``t_ready``
+(wall-clock times), ``vllm_version``, ``pid``, ``min_logprob_gap`` (with
+``logprobs``), and on CUDA the peak of PyTorch's allocator (``max_allocated_gib``,
+``max_reserved_gib``; ``load_max_allocated_gib``: at vLLM's "Model loading took" line).
 """
 
 from __future__ import annotations
@@ -44,6 +53,48 @@ def _configure_logging() -> None:
     ours.addHandler(handler)
     ours.setLevel(os.environ.get("MX_LOG_LEVEL", "INFO"))
     ours.propagate = False
+
+
+class _EventLog(logging.Handler):
+    """Every record of the loggers it is attached to, as JSON lines with ``time.time()``."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(level=logging.DEBUG)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives with the process
+        self.load_max_allocated: float | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            row = {"t": record.created, "logger": record.name, "level": record.levelname,
+                   "msg": message[:2000]}
+            if "Model loading took" in message:
+                import torch
+
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    self.load_max_allocated = torch.cuda.max_memory_allocated() / 2**30
+                    row["max_allocated_gib"] = self.load_max_allocated
+            self._file.write(json.dumps(row) + "\n")
+        except Exception:  # noqa: BLE001 - a handler must never raise into vLLM
+            pass
+
+
+def _attach_event_log(path: str) -> _EventLog:
+    handler = _EventLog(path)
+    for name in ("vllm", "modelexpress"):
+        logging.getLogger(name).addHandler(handler)
+    return handler
+
+
+def _min_gap(outputs) -> float | None:  # noqa: ANN001 - vLLM's RequestOutput list
+    """The smallest log-probability gap between the chosen token and the runner-up."""
+    gaps = []
+    for out in outputs:
+        for step in out.outputs[0].logprobs or []:
+            values = sorted((lp.logprob for lp in step.values()), reverse=True)
+            if len(values) >= 2:
+                gaps.append(values[0] - values[1])
+    return min(gaps) if gaps else None
 
 
 def _served_segment_kinds() -> dict[str, int]:
@@ -79,6 +130,7 @@ def main(spec_path: str) -> int:
     from vllm.inputs import TokensPrompt
 
     import_s = time.time() - t_import
+    events = _attach_event_log(spec["events"]) if spec.get("events") else None
     kwargs = dict(model=spec["model"], load_format=spec.get("load_format", "auto"),
                   skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
                   max_model_len=int(spec.get("max_model_len", 256)), seed=0,
@@ -96,14 +148,34 @@ def main(spec_path: str) -> int:
     t_llm = time.time()
     llm = LLM(**kwargs)
     ready = time.time()
+    memory = {}
+    if torch.cuda.is_available():
+        memory = {"max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                  "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+        if events is not None and events.load_max_allocated is not None:
+            memory["load_max_allocated_gib"] = events.load_max_allocated
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]]
+    logprobs = int(spec.get("logprobs") or 0)
+    gap = None
     params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 16)),
-                            ignore_eos=True, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]],
-                           params, use_tqdm=False)
+                            ignore_eos=True, detokenize=False, logprobs=logprobs or None)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        gap = _min_gap(outputs) if logprobs else None
+    except Exception as exc:  # noqa: BLE001 - the tokens matter more than the gaps
+        if not logprobs:
+            raise
+        print(f"MX-TEST logprobs failed ({type(exc).__name__}: {exc}); greedy without them",
+              flush=True)
+        params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 16)),
+                                ignore_eos=True, detokenize=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     result = {"tokens": tokens, "ready_s": ready - t0, "llm_s": ready - t_llm,
-              "import_s": import_s, "vllm_version": vllm.__version__, "pid": os.getpid(),
-              "torch": torch.__version__, "served_segments": _served_segment_kinds()}
+              "import_s": import_s, "t0": t0, "t_llm": t_llm, "t_ready": ready,
+              "vllm_version": vllm.__version__, "pid": os.getpid(),
+              "torch": torch.__version__, "served_segments": _served_segment_kinds(),
+              "min_logprob_gap": gap, **memory}
     out = pathlib.Path(spec["out"])
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))

@@ -1,0 +1,94 @@
+"""bench/time_to_ready_gpu.py reads where an engine's start went out of vLLM's log records.
+
+The bench runs whole 8B engines on a GPU (minutes each); CI checks the parts that decide
+its figures: the phases cut out of a real vLLM 0.26 GPU engine's log (an H200 run's,
+committed under docs/gpu-logs), the table and the goals computed from them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LOG = ROOT / "docs" / "gpu-logs" / "2026-12-01-s6" / "lead-run9-artifacts" / "engine" / "A-art.log"
+
+
+def _bench():  # noqa: ANN202 - the module
+    spec = importlib.util.spec_from_file_location("bench_ttr_gpu",
+                                                  ROOT / "bench" / "time_to_ready_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _events(text: str) -> list[dict]:
+    """vLLM's log lines as the harness's event rows (1-s stamps; the harness has µs)."""
+    rows = []
+    for line in text.splitlines():
+        m = re.match(r"(INFO|WARNING|ERROR) (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) \[([^\]]+)\] (.*)",
+                     line)
+        if not m:
+            continue
+        t = datetime.datetime(2026, *map(int, m.groups()[1:6])).timestamp()
+        logger = "modelexpress" if m.group(7).startswith("modelexpress") else "vllm"
+        rows.append({"t": t, "logger": logger, "level": m.group(1), "msg": m.group(8)})
+    return rows
+
+
+def test_the_phases_of_a_real_gpu_engine_add_up_to_its_time_to_ready() -> None:
+    bench = _bench()
+    events = _events(LOG.read_text())
+    t_llm = events[0]["t"]
+    t_ready = events[-1]["t"] + 1.0
+    t0 = t_llm - 21.0
+    out = bench.phases(events, t0, t_llm, t_ready)
+    assert out["imports_s"] == 21.0 and out["ready_s"] == round(t_ready - t0, 2)
+    parts = ("config_s", "worker_start_s", "model_loading_s", "compile_s", "profiling_s",
+             "kv_cache_s", "cuda_graphs_s", "warmup_after_graphs_s", "rest_s")
+    assert all(out[p] is not None for p in parts), out
+    # from LLM() to ready, the phases are consecutive: they add up
+    assert abs(sum(out[p] for p in parts) - out["llm_s"]) < 0.01, out
+    assert out["warmup_after_graphs_s"] == 18.0  # 17:10:17 capture done -> 17:10:35 warm
+    assert out["vllm_compile_s"] == 13.49 and out["vllm_model_loading_s"] == 4.780331
+    assert out["mx_loaded_from"] == "disk" and out["mx_post_processing_s"] == 0.903
+    assert out["served_artifact_files"] == 183
+
+
+def test_the_report_computes_the_goals_and_flags_different_tokens() -> None:
+    bench = _bench()
+    tokens = [[1, 2, 3]]
+    results = {"device": "cuda", "d2d_gbps": 1000.0, "checkpoint": {"bytes": 16_060_000_000},
+               "cases": {
+                   "cold": {"ready_s": 100.0, "tokens": tokens, "model_loading_s": 6.0},
+                   "warm": {"ready_s": 60.0, "tokens": tokens, "model_loading_s": 4.0},
+                   "runai_streamer": {"skipped": "runai_model_streamer is not installed"},
+                   "mx-artifacts": {"ready_s": 40.0, "tokens": tokens, "model_loading_s": 1.5,
+                                    "warmup_after_graphs_s": 1.0, "copy_gbps": 950.0,
+                                    "vllm_model_loading_gib": 14.96,
+                                    "load_max_allocated_gib": 15.1, "artifacts": "hit"}}}
+    table, summary = bench.report(results)
+    assert "| runai_streamer | skipped: runai_model_streamer is not installed |" in table
+    assert summary["tokens_match"] is True
+    assert summary["artifacts_over_warm"] == 0.667 and summary["artifacts_over_cold"] == 0.4
+    assert summary["goals"] == {"warmup_after_graphs_le_3s": True,
+                                "loading_le_0.5x_warm_page_cache": True,
+                                "ready_le_0.85x_warm_restart": True, "ready_le_0.4x_cold": True,
+                                "copy_ge_0.9x_d2d": True, "no_second_copy": True}
+    results["cases"]["warm"]["tokens"] = [[1, 2, 4]]
+    table, summary = bench.report(results)
+    assert summary["tokens_match"] is False and "DIFFER" in table
+
+
+def test_an_engines_error_lines_leave_out_the_known_harmless_ones() -> None:
+    bench = _bench()
+    log = ("ERROR 12-06 10:00:00 [modelexpress.p2p.source] source x: the NIXL progress thread "
+           "stopped\nWARNING 12-06 10:00:00 [import_utils.py:408] Traceback (most recent call "
+           "last):\nERROR 12-06 10:00:01 [import_utils.py:1] deep_gemm failed\nINFO fine\n"
+           "2026-12-06 10:00:02 NIXL ERROR    _api.py:1 broken\n")
+    assert len(bench.error_lines(log)) == 2
