@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Build .whl-gpu/: the wheels the GPU machine lacks (see ../shared/GPU.md), for its
-# Python 3.12 on manylinux_2_28_x86_64, from this project's own dependency list in
-# pyproject.toml (core deps + the server, checkpoint and nixl-cu13 extras) WITH their
-# dependencies resolved, minus what that machine already has (torch, numpy, cuda-*,
-# nvidia-*, triton, cupy, safetensors, httpx, pytest and theirs). It then travels as
-#   run(carry=[".whl-gpu"], command="bash scripts/gpu_run.sh setup tests")
-# and `gpu_run.sh setup` installs it into /tmp/site. The carry plus the working tree
-# must stay under the device's 64 MiB limit; this fails if carry + working tree
-# exceed MAX_MIB (default 63; the nixl-cu13 wheel is ~30 MiB once repacked below).
+# Builds .whl-gpu/: the wheels a GPU host without network lacks to run modelexpress
+# (its control plane and NIXL), in one directory of at most MAX_MIB.
 #
-# Usage: bash scripts/build_gpu_carry.sh    (PYTHON=python3, MAX_MIB=63 to override)
+# For: a GPU host with Python 3.12 and torch 2.11 (CUDA), cupy, numpy, safetensors,
+# httpx and pytest, and no package index. Run this on a machine with network; it reads
+# the project's own dependency list in pyproject.toml (core, the server, checkpoint and
+# nixl-cu13 extras), resolves their dependencies for Python 3.12 on
+# manylinux_2_28_x86_64, and leaves out what such a host already has (torch, numpy,
+# cuda-*, nvidia-*, triton, cupy, safetensors, httpx, pytest and theirs). Copy .whl-gpu
+# into the project's checkout on the GPU host, then there
+#
+#     bash scripts/gpu_run.sh setup tests
+#
+# installs it into /tmp/site with the project and runs the GPU tests.
+#
+# Usage: bash scripts/build_gpu_carry.sh
+#   PYTHON=python3   the Python whose pip downloads
+#   MAX_MIB=63       fail if the wheels come to more (the nixl-cu13 wheel is ~30 MiB
+#                    once repacked below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -21,7 +29,7 @@ DEST=.whl-gpu
 # pytest-timeout). Small, pure or manylinux wheels.
 TEST_EXTRAS=(psutil pytest-timeout)
 
-# Requirements: read from pyproject.toml so the carry follows the project.
+# Requirements: read from pyproject.toml so the wheels follow the project.
 mapfile -t REQS < <("$PYTHON" - <<'EOF'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
@@ -61,8 +69,8 @@ pip_dl() {
 [ ${#NIXL[@]} -gt 0 ] && pip_dl --no-deps "${NIXL[@]}"
 pip_dl "${OTHERS[@]}"
 
-# Drop what the GPU machine already has (GPU.md: torch 2.11+cu130, cuda-bindings,
-# cupy, numpy, safetensors, httpx, pytest) and what they pull in there.
+# Drop what the GPU host already has (torch 2.11+cu130, cuda-bindings, cupy, numpy,
+# safetensors, httpx, pytest) and what they pull in there.
 PRESENT=(torch numpy nvidia_* triton cuda_* cupy* fastrlock safetensors
          filelock fsspec jinja2 markupsafe networkx sympy mpmath setuptools
          httpx httpcore h11 anyio idna certifi sniffio
@@ -70,17 +78,16 @@ PRESENT=(torch numpy nvidia_* triton cuda_* cupy* fastrlock safetensors
 for name in "${PRESENT[@]}"; do
   for f in "$DEST"/${name}-*.whl; do
     [ -e "$f" ] || continue
-    echo "drop (on the GPU machine): $(basename "$f")"
+    echo "drop (on the GPU host): $(basename "$f")"
     rm -f "$f"
   done
 done
-# A wheel copied from .whl/ by --find-links is a copy, not a link: fine to carry.
+# A wheel copied from .whl/ by --find-links is a copy, not a link: fine to copy on.
 
 # The nixl-cu13 wheel also ships nixl_ep_cu13 (NIXL's expert-parallel kernels, one
-# ~31 MB library per torch 2.12/2.13/2.14: none matches the GPU machine's torch 2.11,
+# ~31 MB library per torch 2.12/2.13/2.14: none matches the GPU host's torch 2.11,
 # and modelexpress never imports it): ~27 MiB of the wheel's ~56. Repack the wheel
-# without it (and without its RECORD lines), so the carry plus a growing working tree
-# stays under the limit.
+# without it (and without its RECORD lines).
 for whl in "$DEST"/nixl_cu13-*.whl; do
   [ -e "$whl" ] || continue
   "$PYTHON" - "$whl" <<'EOF'
@@ -103,17 +110,13 @@ print(f"repacked {os.path.basename(path)} without {drop}: {before} -> {after} by
 EOF
 done
 
-echo "carry $DEST:"
+echo "$DEST:"
 ls -l "$DEST" | awk 'NR>1 {printf "  %9d  %s\n", $5, $9}'
 bytes=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
-# what else travels: tracked and untracked-not-ignored files of the working tree
-tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
-echo "total: $bytes bytes ($(mib "$bytes") MiB) in $(ls "$DEST"/*.whl | wc -l) wheels;" \
-     "working tree $(mib "$tree") MiB; together $(mib $((bytes + tree))) MiB of the 64 MiB limit"
-if [ $((bytes + tree)) -gt $((MAX_MIB * 1048576)) ]; then
-  echo "ERROR: $DEST ($(mib "$bytes") MiB) + working tree ($(mib "$tree") MiB) is over" \
-       "MAX_MIB=$MAX_MIB: the device refuses a carry over 64 MiB. Drop wheels the GPU" \
-       "machine has (PRESENT above), or the nixl wheel and carry it in a separate call." >&2
+echo "total: $bytes bytes ($(mib "$bytes") MiB) in $(ls "$DEST"/*.whl | wc -l) wheels"
+if [ "$bytes" -gt $((MAX_MIB * 1048576)) ]; then
+  echo "ERROR: $DEST ($(mib "$bytes") MiB) is over MAX_MIB=$MAX_MIB. Drop wheels the GPU" \
+       "host has (PRESENT above), or copy the nixl wheel on its own." >&2
   exit 1
 fi

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Build .netns-tools/: this machine's `ip` and `tc` (Debian's iproute2) with every
-# shared library they load, glibc and its loader included, for a machine that has
-# root and the kernel's namespaces but not iproute2 (the GPU machine: ../shared/GPU.md;
-# its probe found no `ip` or `tc`). Each tool runs through the carried loader with the
-# carried libraries (`ld.so --library-path`), so nothing of the host's libc is assumed
-# and no LD_LIBRARY_PATH leaks into the commands `ip netns exec` starts.
+# Builds .netns-tools/: this machine's `ip` and `tc` (Debian's iproute2) with every
+# shared library they load, glibc and its loader included, for a host that has root
+# and the kernel's namespaces but not iproute2 (bench/cluster.py makes its test hosts
+# with them). Each tool runs through the copied loader with the copied libraries
+# (`ld.so --library-path`), so nothing of the host's libc is assumed and no
+# LD_LIBRARY_PATH leaks into the commands `ip netns exec` starts.
 #
-# Usage: bash scripts/build_netns_carry.sh; carry [".netns-tools"] and put
-# .netns-tools/bin first on PATH (scripts/gpu_run.sh's `cluster` stage does).
+# Usage: bash scripts/build_netns_carry.sh; copy .netns-tools into the project's
+# checkout on that host: `bash scripts/gpu_run.sh cluster` puts .netns-tools/bin first
+# on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=.netns-tools

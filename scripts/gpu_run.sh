@@ -1,35 +1,61 @@
 #!/usr/bin/env bash
-# GPU runs on the device machine (two H200s; see ../shared/GPU.md). Usage:
-#   bash scripts/gpu_run.sh STAGE...   stages: setup tests transfer p2p p2p-8b p2p-nodigest digest
-#                                       local-first shm host-copy local-host cluster shm-ab vmm vllm-stage
-#                                       vllm-engine vllm-pytest
-# `setup` installs the carried wheels (.whl-gpu, built by scripts/build_gpu_carry.sh:
-# nixl-cu13, pydantic-settings, fastapi, uvicorn...) into /tmp/site, the project in
-# editable mode (which builds the C extensions for this machine's Python), and checks
-# that the server's and NIXL's imports resolve. Logs go to $OUT (or ./gpu-out).
-# Device call: run(carry=[".whl-gpu"], command="OUT=$OUT bash scripts/gpu_run.sh setup tests")
+# Runs modelexpress's GPU tests and benchmarks on a GPU host.
 #
-# vLLM 0.26.0 engines (../shared/GPU_VLLM.md; parts built by scripts/pack_vllm026_gpu.sh,
-# each under the 64 MiB carry limit, so staged by calls made back to back: a machine
-# stays warm ~30 s after a call, and /tmp with it):
-#   vllm-stage    unpack/install whichever .vllm026/p* parts this call carried into
-#                 /tmp/vllm026/site; once the project is not installed there, install it
-#                 (-e: builds the VMM allocator extension); with every part staged, check
-#                 that vLLM, NIXL and the server import and start (vllm_check.log)
-#   vllm-engine   the engine tests (tests/engines/test_vllm_gpu_engine.py; more pytest
-#                 arguments in VLLM_PYTEST_ARGS, e.g. -k compiled), logs to $OUT/engine
-#   vllm-pytest   any pytest path with the staged vLLM: VLLM_PYTEST="tests/... -k x"
-# Fresh machine, three calls back to back (prepare them all before the first; the
-# device sets $OUT):
-#   run(carry=[".vllm026/p0"], command="bash scripts/gpu_run.sh vllm-stage")
-#   run(carry=[".vllm026/p1"], command="bash scripts/gpu_run.sh vllm-stage")
-#   run(carry=[".vllm026/p2"], command="bash scripts/gpu_run.sh vllm-stage vllm-engine")
-# The last call checks the staging (vllm_check.log) and then runs; later calls on the
-# same warm machine carry nothing:
-#   run(command="VLLM_PYTEST_ARGS='-k compiled' bash scripts/gpu_run.sh vllm-engine")
-#   run(command="VLLM_PYTEST='tests/engines/test_x.py' bash scripts/gpu_run.sh vllm-pytest")
-# A call brings back a handful of files: vllm-engine/-pytest archive the engine logs
-# as $OUT/engine.tgz.
+# For: a Linux host with NVIDIA GPUs, Python 3.12 as python3 with torch 2.11 (CUDA),
+# root where a stage drops the page cache or makes network namespaces. Such a host
+# may have no network: whatever it lacks is copied to it as wheels (built on a machine
+# with network by scripts/build_gpu_carry.sh and scripts/pack_vllm026_gpu.sh) and
+# installed under /tmp by the stages below; what they install stays there until the
+# host reboots, so later runs need not copy it again.
+#
+# Usage, from the project's checkout on the GPU host:
+#   bash scripts/gpu_run.sh STAGE...
+# Logs and results go to $OUT (default ./gpu-out), a few files per stage.
+#
+# Stages without vLLM (setup first: the wheels of .whl-gpu, scripts/build_gpu_carry.sh:
+# nixl-cu13, pydantic-settings, fastapi, uvicorn...):
+#   setup          install .whl-gpu into /tmp/site, the project in editable mode (its C
+#                  extensions built for this Python), and check that the control plane
+#                  and NIXL import and start
+#   tests          the gpu-marked tests (transfer, p2p, vmm, shm_arena, local)
+#   transfer p2p p2p-8b p2p-nodigest digest local-first shm host-copy local-host vmm
+#                  the benchmarks of those names (bench/*.py --gpu ...)
+#   cluster        bench/cluster.py on this host's cores (needs ip and tc: copy
+#                  .netns-tools, built by scripts/build_netns_carry.sh)
+#   shm-ab         the vLLM MessageQueue A/B (copy .vllm-gpu, scripts/pack_vllm_gpu.sh)
+#
+# vLLM 0.26.0 (the newest vLLM for torch 2.11), from the parts that
+# scripts/pack_vllm026_gpu.sh writes (.vllm026/p1, p2, ...; each at most MAX_MIB):
+#   vllm-stage     unpack/install whichever parts are in .vllm026/ (or $VLLM_PARTS) into
+#                  /tmp/vllm026/site (each once; copy the next part, run it again);
+#                  install the project (editable); once every part is staged, compile
+#                  the bytecode and check that vLLM, NIXL and the control plane import
+#                  and start (vllm_check.log)
+#   vllm-engine    the GPU engine tests (tests/engines/test_vllm_gpu_engine.py; more
+#                  pytest arguments in VLLM_PYTEST_ARGS, e.g. -k compiled); the engine
+#                  logs come back as $OUT/engine.tgz
+#   vllm-pytest    any pytest path with the staged vLLM: VLLM_PYTEST="tests/... -k x"
+#   ttr            bench/time_to_ready_gpu.py, every case (an 8B-shaped checkpoint
+#                  written here, then vLLM engines one at a time: cold, warm restart,
+#                  fastsafetensors, runai_streamer, ours with pulled weights and
+#                  artifacts, VMM arena on and off); results in $OUT (results.json,
+#                  table.md, logs.tgz). It takes 12-15 minutes on one H100; in two
+#                  shorter commands:
+#   ttr-disk       the checkpoint (if not there) and the disk cases
+#   ttr-peer       ours: a source and the pulled targets (after ttr-disk)
+#                  TTR_WORK (default /tmp/ttr) keeps the checkpoint and the engines'
+#                  caches between them; TTR_BUDGET_S (default 560) bounds each command:
+#                  an engine that would not finish in it is not started, and is
+#                  reported as skipped; TTR_ARGS: more arguments to the bench.
+#   ttr-checkpoint only write the checkpoint (about a minute), e.g. while parts of
+#                  vLLM are still being copied
+# A host without network, every part copied at once:
+#   bash scripts/gpu_run.sh vllm-stage ttr
+# or part by part (each copy followed by a stage):
+#   bash scripts/gpu_run.sh vllm-stage ttr-checkpoint     # after copying p1
+#   bash scripts/gpu_run.sh vllm-stage                    # after copying p2
+#   bash scripts/gpu_run.sh vllm-stage ttr-disk           # after copying p3 (the last)
+#   bash scripts/gpu_run.sh ttr-peer
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -37,7 +63,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export UCX_MODULE_DIR=/tmp/site/nixl_cu13.libs/ucx
-# NVLink multicast stays off on shared machines (KINDS.md)
+# NVLink multicast stays off: on a host whose GPUs others share, a program that uses it
+# can take them out of service
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 # vLLM 0.26 and NIXL staged by vllm-stage, first on the path (they replace /tmp/site's)
@@ -56,20 +83,20 @@ for stage in "$@"; do
         python3 -c "import sys, torch; print(sys.version); print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs')"
         python3 -c "import triton; print('triton', triton.__version__)" || echo "triton: not installed"
       } 2>&1 | tee "$OUT/env.log"
-      # .whl-gpu is built by scripts/build_gpu_carry.sh (carry: [".whl-gpu"]). A warm
-      # machine keeps /tmp/site from an earlier call: then a call may carry nothing.
+      # .whl-gpu is built by scripts/build_gpu_carry.sh. /tmp/site stays from an earlier
+      # setup: then .whl-gpu need not be copied again.
       if ls .whl-gpu/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
           --upgrade --target /tmp/site .whl-gpu/*.whl > "$OUT/install.log" 2>&1 ||
           { tail -30 "$OUT/install.log"; exit 1; }
       elif [ ! -d /tmp/site/nixl_cu13.libs ]; then
-        echo "no .whl-gpu/*.whl and no /tmp/site: run scripts/build_gpu_carry.sh and" \
-             "carry .whl-gpu"; exit 1
+        echo "no .whl-gpu/*.whl and no /tmp/site: run scripts/build_gpu_carry.sh where" \
+             "there is network and copy .whl-gpu here"; exit 1
       fi
       python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
         >> "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
-      # the carry is complete when the server's and NIXL's imports resolve here
-      python3 - <<'PY' 2>&1 | tee "$OUT/carry_check.log" || { echo "carry check failed"; exit 1; }
+      # the wheels are complete when the server's and NIXL's imports resolve here
+      python3 - <<'PY' 2>&1 | tee "$OUT/wheels_check.log" || { echo "wheels check failed"; exit 1; }
 import importlib, importlib.metadata as md
 for mod, dist in [("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("httptools", "httptools"),
                   ("pydantic", "pydantic"), ("pydantic_settings", "pydantic-settings"),
@@ -80,7 +107,7 @@ for mod, dist in [("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("httptools", 
     print(f"ok {mod} ({dist} {md.version(dist)})")
 from modelexpress.transfer.nixl_adapter import nixl_module
 print("ok nixl_module():", nixl_module().__name__)
-# the server starts and answers (a carry without fastapi's needs left it unable to)
+# the server starts and answers (wheels without fastapi's needs left it unable to)
 import os, socket, subprocess, sys, tempfile, time, httpx
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
@@ -128,7 +155,7 @@ PY
     digest)
       python3 bench/digest.py --gpu 2>&1 | tee "$OUT/bench_digest_gpu.log" | tail -8
       ;;
-    local-first)  # issue #24: the first pull of a process verifies at the later pulls' speed
+    local-first)  # the first pull of a process verifies at the later pulls' speed
       python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/transfer/test_wsum_cuda.py \
         tests/transfer/test_digest_warmup.py tests/transfer/test_gpu.py 2>&1 \
         | tee "$OUT/pytest_gpu_digest_first.log" | tail -20
@@ -144,7 +171,7 @@ PY
     host-copy)
       python3 bench/host_copy.py 2>&1 | tee "$OUT/bench_host_copy_gpu_host.log" | tail -12
       ;;
-    local-host)  # bench/local.py --host on this host's 16 cores (issue #24: the CI VM has 2)
+    local-host)  # bench/local.py --host on this host's cores (a CI machine has 2)
       # what MX_LOCAL_HUGE_PAGES=auto reads (modelexpress/local/hugepages.py), and the
       # kernel's huge-page counters
       { python3 -c 'from modelexpress.local import hugepages as h; print("thp", h.thp_mode(), "backed_up_front", h.backed_up_front())'
@@ -158,8 +185,8 @@ PY
       python3 bench/local.py --host ${LOCAL_HOST_ARGS:---rounds 7 --fresh-rounds 5} 2>&1 |
         tee "$OUT/bench_local_host_gpu_host.log" | tail -6
       ;;
-    cluster)  # issue #22: the namespaced fleet bench on this host's 16 cores (the CI VM
-      # has 2, and N = 8 measured its CPU). This host lacks iproute2: carry
+    cluster)  # the namespaced fleet bench on this host's cores (a 2-core CI machine
+      # measures its own CPU at N = 8). A host without iproute2 gets ip and tc from
       # .netns-tools (scripts/build_netns_carry.sh). CLUSTER_ARGS: bench/cluster.py's.
       if [ -x .netns-tools/bin/ip ]; then
         rm -rf /tmp/netns-tools && cp -a .netns-tools /tmp/netns-tools
@@ -185,9 +212,9 @@ PY
       done <<< "${CLUSTER_ARGS:-$base --small-first
 $base}"
       ;;
-    shm-ab)  # the vLLM MessageQueue A/B/C on this 32-core host: carry .vllm-gpu
-      # (scripts/pack_vllm_gpu.sh) instead of .whl-gpu; the C extension must be
-      # built for this Python (the setup stage did it, or this does it now).
+    shm-ab)  # the vLLM MessageQueue A/B/C on this host's cores: .vllm-gpu
+      # (scripts/pack_vllm_gpu.sh) in the checkout; the C extension must be built for
+      # this Python (the setup stage did it, or this does it now).
       if [ ! -d /tmp/site-vllm/vllm ]; then
         mkdir -p /tmp/site-vllm && tar xzf .vllm-gpu/vllm-py.tgz -C /tmp/site-vllm &&
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -204,16 +231,16 @@ $base}"
       ;;
     vllm-stage)
       V=/tmp/vllm026; mkdir -p "$V/site" "$V/stamps"
-      if [ ! -f "$V/stamps/env" ]; then  # once per machine: what it has
+      if [ ! -f "$V/stamps/env" ]; then  # once per host: what it has
         { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
           python3 -c "import sys, torch; print(sys.version); print('torch', torch.__version__, torch.cuda.device_count(), 'GPUs')"
           python3 -c "import triton; print('triton', triton.__version__)" || echo "triton: not installed"
           python3 -m pip list --disable-pip-version-check 2>/dev/null; } > "$OUT/env.log" 2>&1
         head -8 "$OUT/env.log"; touch "$V/stamps/env"
       fi
-      for part in .vllm026/p*/; do
+      for part in "${VLLM_PARTS:-.vllm026}"/p*/; do
         [ -d "$part" ] || continue
-        # a part stays in the tree between calls of one machine: stage it once
+        # a part may still be here at the next run: stage each item once
         for f in "$part"*.tar.xz; do
           [ -e "$f" ] || continue
           [ -f "$V/stamps/$(basename "$f")" ] && continue
@@ -278,9 +305,27 @@ try:
 finally:
     proc.terminate(); proc.wait(10)
 PY
+        if [ ! -f "$V/stamps/bytecode" ]; then
+          # Compiled bytecode, as an installed image has it (pip ran with --no-compile):
+          # without it every engine's imports take seconds longer.
+          python3 -m compileall -q -j 0 "$V/site" > "$OUT/compileall.log" 2>&1 || true
+          touch "$V/stamps/bytecode"
+        fi
       else
-        echo "vllm-stage: parts still missing (stage p0, p1 and p2 first)"
+        echo "vllm-stage: parts still missing (copy and stage the other .vllm026 parts)"
       fi
+      ;;
+    ttr|ttr-disk|ttr-peer|ttr-checkpoint)
+      vllm_env
+      phase=${stage#ttr-}; [ "$stage" = ttr ] && phase=all
+      [ "$phase" = checkpoint ] && phase="disk --cases none"
+      TTR_WORK=${TTR_WORK:-/tmp/ttr}; mkdir -p "$TTR_WORK"
+      # shellcheck disable=SC2086  # TTR_ARGS and phase are word lists
+      python3 bench/time_to_ready_gpu.py --phase $phase --work "$TTR_WORK" --out "$OUT" \
+        --budget-s "${TTR_BUDGET_S:-560}" ${TTR_ARGS:-} 2> "$OUT/ttr-$stage.log"
+      rc=$?
+      tail -25 "$OUT/ttr-$stage.log"
+      [ $rc = 0 ] || echo "bench/time_to_ready_gpu.py exited $rc"
       ;;
     vllm-engine|vllm-pytest)
       vllm_env

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One full GPU run of the VMM arena (the device machine; see ../shared/GPU.md):
-# build the C extension in place, run the gpu-marked tests of tests/vmm, run
-# bench/vmm_arena.py (full and --quick). Logs go to $OUT (or ./gpu-out).
+# One full GPU run of the VMM arena on a GPU host (CUDA, torch, cuda-bindings): build
+# the C extension in place, run the gpu-marked tests of tests/vmm, run
+# bench/vmm_arena.py (full and --quick). Logs go to $OUT (default ./gpu-out).
+# Usage: bash scripts/gpu_vmm.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}

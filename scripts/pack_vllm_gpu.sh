@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Builds .vllm-gpu/ for `bash scripts/gpu_run.sh shm-ab` on the GPU machine, which has
-# no vLLM and whose carry limit (64 MiB) its wheel exceeds. What vLLM's MessageQueue
-# needs is Python: this packs vllm 0.33.0's .py files from this machine's .venv
-# (no compiled kernels; ~11 MB) and cp312 wheels of the packages the queue's import
-# pulls in that the GPU machine lacks. Carry it alone (run(carry=[".vllm-gpu"]));
-# the `setup` stage's /tmp/site (pydantic, opentelemetry...) must already be there.
+# Builds .vllm-gpu/ for `bash scripts/gpu_run.sh shm-ab` on a GPU host without vLLM
+# and without network. What vLLM's MessageQueue needs is Python: this packs vllm
+# 0.33.0's .py files from this machine's .venv (no compiled kernels; ~11 MB, where the
+# whole wheel is hundreds) and cp312 wheels of the packages the queue's import pulls in
+# that such a host lacks. Copy .vllm-gpu into the project's checkout there; the `setup`
+# stage's /tmp/site (pydantic, opentelemetry...) must already be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=.venv/lib/python3.11/site-packages
