@@ -601,20 +601,21 @@ class CompileObserver(logging.Handler):
         self._done = threading.Event()
         self._warm = threading.Event()
         self._on_backend_dir = on_backend_dir
-        # The records come from vllm.* loggers; "vllm" sees them all (vLLM's own
-        # handler sits there too, and its children propagate to it).
-        self._logger = logging.getLogger("vllm")
+        # On the loggers that log our markers (their children propagate to them), not on
+        # "vllm" itself: vLLM configures that one again as an engine starts (dictConfig
+        # drops the handlers others attached there).
+        self._loggers = [logging.getLogger(n) for n in (_COMPILE_LOGGER, *_WARM_LOGGERS)]
 
     def attach(self) -> "CompileObserver":
-        self._logger.addHandler(self)
-        for name in (_COMPILE_LOGGER, *_WARM_LOGGERS):
-            logger = logging.getLogger(name)
+        for logger in self._loggers:
+            logger.addHandler(self)
             if logger.getEffectiveLevel() > logging.INFO:
                 logger.setLevel(logging.INFO)  # our markers are INFO records
         return self
 
     def detach(self) -> None:
-        self._logger.removeHandler(self)
+        for logger in self._loggers:
+            logger.removeHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:  # noqa: D401 - logging API
         try:

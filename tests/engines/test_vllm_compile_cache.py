@@ -104,3 +104,46 @@ def test_new_cache_files_are_split_into_kernels_and_index_entries() -> None:
     new = {"/c/x/inductor_cache/ab/k.so", "/c/x/inductor_cache/aotautograd/q/e",
            "/c/x/rank_0_0/model"}
     assert cc.split_new_files(new) == (1, 2)
+
+
+def test_the_observer_sees_vllm_name_its_triton_dir_and_the_engine_become_warm(tmp_path) -> None:
+    named = []
+    obs = cc.CompileObserver(on_backend_dir=named.append)
+    backends = logging.getLogger("vllm.compilation.backends")
+    d = "/c/torch_compile_cache/0fe8f21c0c/rank_0_0/backbone"
+    obs.emit(backends.makeRecord(backends.name, logging.INFO, __file__, 1,
+                                 f"Using cache directory: {d} for vLLM's torch.compile", (),
+                                 None))
+    assert named == [d] and obs.events.backend_dirs == [d]
+    assert cc.vllm_triton_dir(d) == pathlib.Path("/c/torch_compile_cache/0fe8f21c0c/rank_0_0/"
+                                                 "triton_cache")
+    assert cc.vllm_triton_dir("/c/torch_compile_cache/abc/rank_1_0/") == pathlib.Path(
+        "/c/torch_compile_cache/abc/rank_1_0/triton_cache")
+    assert not obs.wait_warm(0.01)
+    core = logging.getLogger("vllm.v1.engine.core")
+    obs.emit(core.makeRecord(core.name, logging.INFO, __file__, 1,
+                             "init engine (profile, create kv cache, warmup model) took 38.60 s "
+                             "(compilation: 13.49 s)", (), None))
+    assert obs.wait_warm(1) and obs.events.warm_at is not None
+
+
+def test_triton_entries_by_age_and_links_that_never_replace(tmp_path) -> None:
+    import os
+    import time
+
+    own = tmp_path / "own"
+    for key, age in (("old", 3600), ("new", 0)):
+        (own / key).mkdir(parents=True)
+        f = own / key / "k.cubin"
+        f.write_bytes(key.encode())
+        os.utime(f, (time.time() - age, time.time() - age))
+    (own / "__grp__new.json").write_text("{}")  # a file at the top is no entry
+    assert cc.triton_entries(own) == ["new", "old"]
+    assert cc.triton_entries(own, since=time.time() - 60) == ["new"]
+    assert cc.triton_entries(tmp_path / "absent") == []
+    vllm_dir = tmp_path / "vllm" / "triton_cache"
+    (vllm_dir / "old").mkdir(parents=True)
+    (vllm_dir / "old" / "k.cubin").write_bytes(b"theirs")
+    assert cc.link_entries(own, vllm_dir, ["new/k.cubin", "old/k.cubin"]) == 1
+    assert (vllm_dir / "new" / "k.cubin").read_bytes() == b"new"
+    assert (vllm_dir / "old" / "k.cubin").read_bytes() == b"theirs"  # never replaced

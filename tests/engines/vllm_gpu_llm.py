@@ -55,15 +55,27 @@ def _configure_logging() -> None:
     ours.propagate = False
 
 
-class _EventLog(logging.Handler):
-    """Every record of the loggers it is attached to, as JSON lines with ``time.time()``."""
+class _EventLog:
+    """Every vllm.* and modelexpress.* record, as JSON lines with ``time.time()``.
+
+    It sees records where ``Logger.handle`` starts (wrapped once): vLLM configures its
+    loggers again as the engine starts (``dictConfig``, which drops handlers others
+    attached), so a handler on the ``vllm`` logger would miss the engine's records."""
 
     def __init__(self, path: str) -> None:
-        super().__init__(level=logging.DEBUG)
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives with the process
         self.load_max_allocated: float | None = None
+        handle = logging.Logger.handle
+        sink = self
 
-    def emit(self, record: logging.LogRecord) -> None:
+        def recorded(logger: logging.Logger, record: logging.LogRecord) -> None:
+            if record.name.startswith(("vllm", "modelexpress")):
+                sink.write(record)
+            return handle(logger, record)
+
+        logging.Logger.handle = recorded  # type: ignore[method-assign]
+
+    def write(self, record: logging.LogRecord) -> None:
         try:
             message = record.getMessage()
             row = {"t": record.created, "logger": record.name, "level": record.levelname,
@@ -75,15 +87,12 @@ class _EventLog(logging.Handler):
                     self.load_max_allocated = torch.cuda.max_memory_allocated() / 2**30
                     row["max_allocated_gib"] = self.load_max_allocated
             self._file.write(json.dumps(row) + "\n")
-        except Exception:  # noqa: BLE001 - a handler must never raise into vLLM
+        except Exception:  # noqa: BLE001 - logging must never raise into vLLM
             pass
 
 
 def _attach_event_log(path: str) -> _EventLog:
-    handler = _EventLog(path)
-    for name in ("vllm", "modelexpress"):
-        logging.getLogger(name).addHandler(handler)
-    return handler
+    return _EventLog(path)
 
 
 def _min_gap(outputs) -> float | None:  # noqa: ANN001 - vLLM's RequestOutput list
@@ -111,9 +120,12 @@ def _served_segment_kinds() -> dict[str, int]:
     if frozen:
         gc.unfreeze()
     for obj in gc.get_objects():
-        if isinstance(obj, SourceHandle) and obj.local is not None:
-            for seg in obj.local.segments:
-                kinds[seg.kind] = kinds.get(seg.kind, 0) + 1
+        try:
+            if isinstance(obj, SourceHandle) and obj.local is not None:
+                for seg in obj.local.segments:
+                    kinds[seg.kind] = kinds.get(seg.kind, 0) + 1
+        except ReferenceError:  # a weak proxy whose object is gone
+            continue
     if frozen:
         gc.freeze()
     return kinds
