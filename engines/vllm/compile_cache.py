@@ -26,16 +26,19 @@ files' paths and contents, known only once Dynamo has traced; there both sides s
 ``compilation_config.cache_dir`` to ``torch_compile_cache/mx-<compile key>`` before
 compiling (vLLM uses a preset ``cache_dir`` as it is), unless the operator set one.
 
-Triton's kernels (inductor's generated ones, and vLLM's own Triton ops that its
-warm-up JIT-compiles after CUDA graph capture) go where ``TRITON_CACHE_DIR`` points
-when they are built. vLLM sets it, as it starts compiling, to
-``torch_compile_cache/<config hash>/rank_<r>_<dp>/triton_cache`` (its config hash covers
-the checkpoint's path); before that it is the process's own (``TRITON_CACHE_DIR`` or
-``~/.triton/cache``). Triton's cache is content-addressed (one directory per kernel
-key), so its entries travel as two kinds without prefixes: :data:`TRITON_KIND` (the
-process's own directory) and :data:`VLLM_TRITON_KIND` (the one vLLM set). A target
-installs both into its own directory and links them into vLLM's the moment vLLM names
-it (its "Using cache directory" record, logged just before it points Triton there).
+Triton's kernels go where ``TRITON_CACHE_DIR`` points when they are built, else to
+Triton's own directory (``~/.triton/cache``). vLLM's own Triton ops (its V2 model
+runner's, the Triton attention backend's), JIT-compiled during the warm-up after CUDA
+graph capture, land there; inductor's generated kernels go under inductor's cache
+(``TORCHINDUCTOR_CACHE_DIR``, which vLLM sets to ``<H>/inductor_cache``: packed with
+it). vLLM's older inductor adapter (``VLLM_USE_STANDALONE_COMPILE=0``) instead points
+``TRITON_CACHE_DIR`` at ``torch_compile_cache/<config hash>/rank_<r>_<dp>/triton_cache``
+as it starts compiling (the hash covers the checkpoint's path). Triton's cache is
+content-addressed (one directory per kernel key), so its entries travel as two kinds
+without prefixes: :data:`TRITON_KIND` (the process's own directory: what this process
+wrote there) and :data:`VLLM_TRITON_KIND` (the one that adapter set). A target
+installs both into its own directory, and links them into that adapter's the moment
+vLLM names it (its "Using cache directory" record, logged just before).
 
 Whether the engine used the files is observed, not assumed: :class:`CompileObserver`
 reads vLLM's own compilation log records (AOT loaded, AOT load failed and compiled

@@ -182,7 +182,9 @@ def install_set(aset: ArtifactSet, blob: memoryview, roots: Mapping[str, pathlib
             if f.kind not in staging:
                 root.mkdir(parents=True, exist_ok=True)
                 _clean_stale_staging(root)
-                staging[f.kind] = root / f"{STAGING_PREFIX}{stage_id}"
+                # one staging directory per kind: two kinds may share a root (Triton's
+                # entries from two directories go to one)
+                staging[f.kind] = root / f"{STAGING_PREFIX}{stage_id}-{f.kind}"
                 staging[f.kind].mkdir()
             dst = staging[f.kind] / rel
             dst.parent.mkdir(parents=True, exist_ok=True)

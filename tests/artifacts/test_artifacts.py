@@ -108,6 +108,26 @@ def test_install_maps_prefixes_keeps_modes_and_leaves_no_staging(tmp_path: pathl
     assert install_set(aset, blob, {"k": other}, {}).files == 0
 
 
+def test_two_kinds_installed_under_one_root_merge_without_replacing(tmp_path: pathlib.Path) -> None:
+    """Triton's entries from a source's two Triton directories (two kinds) go to one
+    directory on the target: both install, a file both carry is kept once."""
+    data = {("triton", "e1/k.cubin"): b"one", ("triton_vllm", "e2/k.cubin"): b"two",
+            ("triton_vllm", "e1/k.cubin"): b"one"}
+    blob, rows, off = b"", [], 0
+    for (kind, path), content in data.items():
+        rows.append(ArtifactFile(kind, path, len(content), 0o644,
+                                 hashlib.sha256(content).hexdigest(), off))
+        blob += content
+        off += len(content)
+    root = tmp_path / "triton"
+    result = install_set(ArtifactSet(tuple(rows)), memoryview(blob),
+                         {"triton": root, "triton_vllm": root})
+    assert result.outcome == "installed" and result.files == 2 and result.kept == 1, result
+    assert (root / "e1/k.cubin").read_bytes() == b"one"
+    assert (root / "e2/k.cubin").read_bytes() == b"two"
+    assert not list(root.glob(".mx-artifacts-staging-*"))
+
+
 def test_an_engines_own_cache_is_never_touched(tmp_path: pathlib.Path) -> None:
     aset, blob = _set([("c/shared/k1.so", b"new"), ("c/rank_0_0/model", b"new")],
                       units=(InstallUnit("k", "c/rank_0_0"),))
