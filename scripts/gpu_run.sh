@@ -263,7 +263,9 @@ $base}"
           >> "$OUT/vllm_install.log" 2>&1 || { tail -30 "$OUT/vllm_install.log"; exit 1; }
       fi
       echo "staged: $(ls "$V/stamps" | tr '\n' ' ')"
-      if [ -f "$V/stamps/kernels.tar.xz" ] && [ -f "$V/stamps/python.tar.xz" ] &&
+      if [ -f "$V/stamps/checked" ]; then
+        echo "vllm-stage: every part staged and checked earlier"
+      elif [ -f "$V/stamps/kernels.tar.xz" ] && [ -f "$V/stamps/python.tar.xz" ] &&
          [ -f "$V/stamps/fa3.tar.xz" ] && ls "$V/stamps"/nixl_cu13-*.whl >/dev/null 2>&1; then
         vllm_env
         python3 - <<'PY' 2>&1 | tee "$OUT/vllm_check.log" || { echo "vllm check failed"; exit 1; }
@@ -305,12 +307,10 @@ try:
 finally:
     proc.terminate(); proc.wait(10)
 PY
-        if [ ! -f "$V/stamps/bytecode" ]; then
-          # Compiled bytecode, as an installed image has it (pip ran with --no-compile):
-          # without it every engine's imports take seconds longer.
-          python3 -m compileall -q -j 0 "$V/site" > "$OUT/compileall.log" 2>&1 || true
-          touch "$V/stamps/bytecode"
-        fi
+        # Compiled bytecode, as an installed image has it (pip ran with --no-compile):
+        # without it every engine's imports take seconds longer.
+        python3 -m compileall -q -j 0 "$V/site" > "$OUT/compileall.log" 2>&1 || true
+        touch "$V/stamps/checked"
       else
         echo "vllm-stage: parts still missing (copy and stage the other .vllm026 parts)"
       fi
