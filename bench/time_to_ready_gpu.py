@@ -257,15 +257,16 @@ def host_facts(device: str) -> dict[str, Any]:
         facts["nvidia_smi"] = smi
         if smi and "," in smi:
             facts["driver"] = smi.split(",")[1].strip()
-    try:
-        facts["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                         capture_output=True, text=True, timeout=10
-                                         ).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        facts["commit"] = None
-    commit_file = ROOT / "COMMIT"  # a copied tree (no .git) names its commit here
-    if not facts.get("commit") and commit_file.exists():
+    commit_file = ROOT / "COMMIT"  # a tree copied out of git names its commit here
+    if commit_file.exists():
         facts["commit"] = commit_file.read_text().strip()
+    else:
+        try:
+            facts["commit"] = subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                text=True, timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            facts["commit"] = None
     return facts
 
 
@@ -595,6 +596,10 @@ class Bench:
         env = engine_env(**dirs.env(), **extra)
         for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH"):
             env.pop(name, None)  # each engine's own, under its HOME/TMPDIR
+        # One path for every engine: vLLM 0.26 hashes VLLM_CONFIG_ROOT (~/.config/vllm)
+        # into its compile cache key, so engines with their own HOME would never find
+        # each other's caches, a warm restart included (a restart keeps its HOME).
+        env["VLLM_CONFIG_ROOT"] = str(self.work / "vllm-config")
         if self.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         return env
@@ -625,6 +630,7 @@ class Bench:
                                                "max_allocated_gib", "max_reserved_gib",
                                                "load_max_allocated_gib")})
         row["tokens"] = result.get("tokens")
+        row["logprob_gaps"] = result.get("logprob_gaps")
         if sampler is not None:
             row["gpu_peak_gib_process"] = round(sampler.per_pid.get(result.get("pid", -1), 0.0)
                                                 or 0.0, 2) or None
@@ -789,7 +795,7 @@ class Bench:
         cases = [c for c in CASES if c.phase == phase and (wanted is None or c.name in wanted)]
         if not cases:
             return
-        if phase == "disk" and "imports" not in self.results:
+        if phase == "disk" and "imports" not in self.results and not self.args.skip_imports:
             from vllm_gpu_engines import engine_env
 
             self.results["imports"] = import_seconds(engine_env())
@@ -854,6 +860,40 @@ def _cell(row: dict[str, Any], key: str) -> str:
     return str(value)
 
 
+# A gap below about one bf16 step of the logits (their magnitude here is ~5, a step
+# 1/32): two engines whose logits differ in the last bit may choose either token.
+NEAR_TIE = 0.05
+
+
+def compare_tokens(row: dict[str, Any], ref: dict[str, Any]) -> tuple[str, list[str]]:
+    """``same``, ``near-tie`` (the first difference of each prompt where they differ is at
+    a token whose top-2 gap is below :data:`NEAR_TIE` in either engine: the choice there
+    is the rounding's, and what follows it differs as a consequence) or ``DIFFER``;
+    and where each prompt first differs, with the gaps there."""
+    mine, theirs = row.get("tokens"), ref.get("tokens")
+    if mine == theirs:
+        return "same", []
+    if mine is None or theirs is None or len(mine) != len(theirs):
+        return "DIFFER", ["no tokens to compare"]
+    notes, verdict = [], "near-tie"
+    for p, (a, b) in enumerate(zip(mine, theirs)):
+        if a == b:
+            continue
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        gaps = [_gap(r, p, i) for r in (row, ref)]
+        notes.append(f"prompt {p + 1} token {i + 1}: gaps {gaps}")
+        if not any(g is not None and g < NEAR_TIE for g in gaps):
+            verdict = "DIFFER"
+    return verdict, notes
+
+
+def _gap(row: dict[str, Any], prompt: int, token: int) -> float | None:
+    gaps = row.get("logprob_gaps") or []
+    if prompt < len(gaps) and gaps[prompt] and token < len(gaps[prompt]):
+        return gaps[prompt][token]
+    return None
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -864,14 +904,14 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     ran = {k: v for k, v in cases.items() if "skipped" not in v}
     lines = ["| case | " + " | ".join(h for _, h in _COLUMNS) + " | tokens |",
              "| --- " * (len(_COLUMNS) + 2) + "|"]
-    reference = (ran.get("cold") or next(iter(ran.values()), {})).get("tokens")
+    ref_row = ran.get("cold") or next(iter(ran.values()), {})
+    verdicts = {name: compare_tokens(row, ref_row) for name, row in ran.items()}
     for name, row in cases.items():
         if "skipped" in row:
             lines.append(f"| {name} | skipped: {row['skipped']} |" + " |" * (len(_COLUMNS)))
             continue
-        same = "same" if row.get("tokens") == reference else "DIFFER"
         lines.append(f"| {name} | " + " | ".join(_cell(row, k) for k, _ in _COLUMNS)
-                     + f" | {same} |")
+                     + f" | {verdicts[name][0]} |")
     table = "\n".join(lines)
 
     def get(case: str, key: str) -> Any:
@@ -886,7 +926,9 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         "d2d_gbps": d2d, "imports": results.get("imports"),
         "ready_s": {k: v.get("ready_s") for k, v in ran.items()},
         "llm_s": {k: v.get("llm_s") for k, v in ran.items()},
-        "tokens_match": bool(ran) and all(v.get("tokens") == reference for v in ran.values()),
+        "tokens_match": bool(ran) and all(v[0] != "DIFFER" for v in verdicts.values()),
+        "tokens": {k: v[0] for k, v in verdicts.items()},
+        "tokens_differences": {k: v[1] for k, v in verdicts.items() if v[1]},
         "min_logprob_gap": min((v["min_logprob_gap"] for v in ran.values()
                                 if v.get("min_logprob_gap") is not None), default=None),
         "errors": {k: len(v.get("errors") or []) for k, v in ran.items()},
@@ -944,6 +986,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no engine that would not finish within this many seconds")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's)")
+    ap.add_argument("--skip-imports", action="store_true",
+                    help="do not time `import vllm` (about 50 s at 8B's host)")
     args = ap.parse_args()
     args.work = args.work or tempfile.mkdtemp(prefix="mx-ttr-gpu-")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -92,3 +92,13 @@ def test_an_engines_error_lines_leave_out_the_known_harmless_ones() -> None:
            "last):\nERROR 12-06 10:00:01 [import_utils.py:1] deep_gemm failed\nINFO fine\n"
            "2026-12-06 10:00:02 NIXL ERROR    _api.py:1 broken\n")
     assert len(bench.error_lines(log)) == 2
+
+
+def test_tokens_that_part_at_a_near_tie_are_told_from_tokens_that_differ() -> None:
+    bench = _bench()
+    ref = {"tokens": [[1, 2, 3, 4]], "logprob_gaps": [[1.2, 0.8, 0.0, 0.5]]}
+    tie = {"tokens": [[1, 2, 9, 7]], "logprob_gaps": [[1.2, 0.8, 0.0, 0.4]]}
+    assert bench.compare_tokens(tie, ref) == ("near-tie", ["prompt 1 token 3: gaps [0.0, 0.0]"])
+    wrong = {"tokens": [[1, 5, 3, 4]], "logprob_gaps": [[1.2, 0.9, 0.0, 0.5]]}
+    assert bench.compare_tokens(wrong, ref)[0] == "DIFFER"
+    assert bench.compare_tokens(ref, ref) == ("same", [])

@@ -281,7 +281,8 @@ def _aot_factors(vllm_config: "VllmConfig") -> list[str]:
 
 
 def _neutral_factors(vllm_config: "VllmConfig") -> list[str]:
-    """vLLM's AOT factors computed with the checkpoint's path left out."""
+    """vLLM's AOT factors computed with the checkpoint's path left out, and with the
+    environment's part taken without the host's directories (:func:`_env_factors`)."""
     model_config = vllm_config.model_config
     path = model_config.model
     # compute_hash reads model_config.model; set a constant for the one call. ORDER:
@@ -289,9 +290,34 @@ def _neutral_factors(vllm_config: "VllmConfig") -> list[str]:
     # before the engine compiles or serves).
     object.__setattr__(model_config, "model", "<modelexpress: path-independent>")
     try:
-        return _aot_factors(vllm_config)
+        factors = _aot_factors(vllm_config)
     finally:
         object.__setattr__(model_config, "model", path)
+    whole, neutral = _env_factors()
+    return [neutral if f == whole else f for f in factors]
+
+
+def _env_factors() -> tuple[str, str]:
+    """vLLM's hash of the environment's compile factors, and ours without the factors
+    whose value is a directory of this host (under ``$HOME`` or the temp directory).
+
+    vLLM hashes ``VLLM_CONFIG_ROOT`` (``~/.config/vllm``) into its compile cache key:
+    two engines of one image with another ``HOME`` compile the same code under two
+    keys (measured: vLLM 0.26 on an H100, engines whose HOME differed). What the
+    engine compiles does not depend on where its home is, so the artifact identity
+    leaves such values out; vLLM's own directory is still computed by vLLM's key on
+    each side (:meth:`CompileLayout.prefixes`).
+    """
+    import tempfile
+
+    from vllm import envs
+    from vllm.config.utils import hash_factors
+
+    factors = envs.compile_factors()
+    homes = tuple(p for p in {os.path.expanduser("~"), tempfile.gettempdir()} if p != "/")
+    neutral = {k: v for k, v in factors.items()
+               if not (isinstance(v, str) and v.startswith(homes))}
+    return hash_factors(factors), hash_factors(neutral)
 
 
 def _architecture(vllm_config: "VllmConfig") -> str:

@@ -147,3 +147,21 @@ def test_triton_entries_by_age_and_links_that_never_replace(tmp_path) -> None:
     assert cc.link_entries(own, vllm_dir, ["new/k.cubin", "old/k.cubin"]) == 1
     assert (vllm_dir / "new" / "k.cubin").read_bytes() == b"new"
     assert (vllm_dir / "old" / "k.cubin").read_bytes() == b"theirs"  # never replaced
+
+
+def test_the_artifact_key_leaves_out_directories_of_the_host(monkeypatch, tmp_path) -> None:
+    """vLLM 0.26 hashes VLLM_CONFIG_ROOT (~/.config/vllm) into its compile key; engines
+    of one image with another HOME must still share artifacts. (vLLM 0.32, installed
+    here, no longer hashes it: its factor list is stood in for.)"""
+    import os
+
+    from vllm import envs
+
+    keys = []
+    for home in (tmp_path / "a", tmp_path / "b"):
+        monkeypatch.setenv("HOME", str(home))
+        monkeypatch.setattr(envs, "compile_factors", lambda: {
+            "VLLM_CONFIG_ROOT": os.path.expanduser("~/.config/vllm"), "VLLM_FLAG": True})
+        keys.append(cc._env_factors())
+    (whole_a, neutral_a), (whole_b, neutral_b) = keys
+    assert whole_a != whole_b and neutral_a == neutral_b

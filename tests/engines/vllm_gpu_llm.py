@@ -95,15 +95,17 @@ def _attach_event_log(path: str) -> _EventLog:
     return _EventLog(path)
 
 
-def _min_gap(outputs) -> float | None:  # noqa: ANN001 - vLLM's RequestOutput list
-    """The smallest log-probability gap between the chosen token and the runner-up."""
-    gaps = []
-    for out in outputs:
-        for step in out.outputs[0].logprobs or []:
+def _gaps(outputs) -> list[list[float | None]]:  # noqa: ANN001 - vLLM's RequestOutput list
+    """Per prompt, per generated token: the log-probability gap between the chosen
+    token and the runner-up (0.0: a tie, which engines may break either way)."""
+    out = []
+    for o in outputs:
+        row: list[float | None] = []
+        for step in o.outputs[0].logprobs or []:
             values = sorted((lp.logprob for lp in step.values()), reverse=True)
-            if len(values) >= 2:
-                gaps.append(values[0] - values[1])
-    return min(gaps) if gaps else None
+            row.append(values[0] - values[1] if len(values) >= 2 else None)
+        out.append(row)
+    return out
 
 
 def _served_segment_kinds() -> dict[str, int]:
@@ -168,12 +170,12 @@ def main(spec_path: str) -> int:
             memory["load_max_allocated_gib"] = events.load_max_allocated
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]]
     logprobs = int(spec.get("logprobs") or 0)
-    gap = None
+    gaps = None
     params = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 16)),
                             ignore_eos=True, detokenize=False, logprobs=logprobs or None)
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        gap = _min_gap(outputs) if logprobs else None
+        gaps = _gaps(outputs) if logprobs else None
     except Exception as exc:  # noqa: BLE001 - the tokens matter more than the gaps
         if not logprobs:
             raise
@@ -187,7 +189,9 @@ def main(spec_path: str) -> int:
               "import_s": import_s, "t0": t0, "t_llm": t_llm, "t_ready": ready,
               "vllm_version": vllm.__version__, "pid": os.getpid(),
               "torch": torch.__version__, "served_segments": _served_segment_kinds(),
-              "min_logprob_gap": gap, **memory}
+              "logprob_gaps": gaps,
+              "min_logprob_gap": min((g for row in gaps or [] for g in row if g is not None),
+                                     default=None), **memory}
     out = pathlib.Path(spec["out"])
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
