@@ -41,6 +41,9 @@ otherwise:
 ``mx-artifacts-arena`` the same with the VMM arena (``MX_VMM_ARENA=1``)
 ``mx-weights``         ours, weights pulled, no artifact key: it compiles
 ``mx-weights-arena``   the same with the VMM arena
+``restart``            ``auto`` with a copy of ``mx-source``'s caches (vLLM's compile
+                       key does not cover the load format): vLLM's warm restart on the
+                       source's host, the baseline of a run without ``cold``/``warm``
 =====================  =============================================================
 
 The targets do not serve in turn (``mx_serve_after_pull: false``). For every engine:
@@ -210,6 +213,9 @@ CASES = (
     Case("mx-weights", "peer", load_format="mx", role="weights"),
     Case("mx-weights-arena", "peer", load_format="mx", role="weights", arena=True,
          gpu_only="the VMM arena serves CUDA devices only"),
+    # vLLM's warm restart of the source's host (its caches; vLLM's compile key does not
+    # cover the load format): the baseline where a run has no cold/warm pair
+    Case("restart", "peer", caches="mx-source", page_cache="warm"),
 )
 # Rough seconds an engine of each kind takes at 8B on one H100 (the budget's estimate).
 _ESTIMATE_S = {"empty": 130.0, "warm": 80.0}
@@ -398,6 +404,11 @@ def cache_inventory(dirs: "EngineDirs") -> dict[str, dict[str, float]]:
     return out
 
 
+def _copy_regular(src: str, dst: str) -> None:
+    if os.path.isfile(src) and not os.path.islink(src):
+        shutil.copy2(src, dst)
+
+
 @dataclasses.dataclass
 class EngineDirs:
     """An engine's own HOME, TMPDIR and VLLM_CACHE_ROOT (every cache it fills)."""
@@ -420,7 +431,9 @@ class EngineDirs:
         if self.root.exists():
             shutil.rmtree(self.root)
         if copy_of is not None:
-            shutil.copytree(copy_of.root, self.root, symlinks=True)
+            # regular files only: a running engine's TMPDIR holds sockets
+            shutil.copytree(copy_of.root, self.root, symlinks=True,
+                            copy_function=_copy_regular)
         for d in (self.home, self.tmp, self.cache):
             d.mkdir(parents=True, exist_ok=True)
         return self
@@ -915,6 +928,8 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     table = "\n".join(lines)
 
     def get(case: str, key: str) -> Any:
+        if case == "warm" and "warm" not in ran:
+            case = "restart"  # the source's warm restart stands in (see CASES)
         return ran.get(case, {}).get(key)
 
     art = "mx-artifacts"
