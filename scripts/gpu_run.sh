@@ -257,10 +257,17 @@ $base}"
           for w in "$part"*.whl; do touch "$V/stamps/$(basename "$w")"; done
         fi
       done
-      # the project, editable (the VMM allocator extension is built for this Python)
-      if ! (cd /tmp && python3 -c "import modelexpress.engines.vllm, modelexpress.vmm._alloc_ext") 2>/dev/null; then
+      # the project, editable, its C extensions built for this Python (each is optional:
+      # say which did not build, with the compiler's words)
+      exts="modelexpress.vmm._alloc_ext modelexpress.local._copyloop modelexpress.shm_arena._atomics"
+      if ! (cd /tmp && python3 -c "import modelexpress.engines.vllm; import ${exts// /, }") 2>/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
           >> "$OUT/vllm_install.log" 2>&1 || { tail -30 "$OUT/vllm_install.log"; exit 1; }
+        for ext in $exts; do
+          (cd /tmp && python3 -c "import $ext") 2>/dev/null && continue
+          echo "C extension $ext did not build:"
+          python3 setup.py build_ext --inplace 2>&1 | grep -iE "error|warning" | head -8
+        done
       fi
       echo "staged: $(ls "$V/stamps" | tr '\n' ' ')"
       if [ -f "$V/stamps/checked" ]; then
