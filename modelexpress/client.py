@@ -56,12 +56,12 @@ from modelexpress.errors import (
 from modelexpress.identity import ModelIdentity
 from modelexpress.settings import MxSettings
 from modelexpress.wire import (
-    API_HEADER, API_VERSION, API_VERSIONS, AgentInfo, AssignmentsReply, ProgressReply,
-    SourceInfo, TransferInfo, TransferOutcome, api_version_of,
+    API_HEADER, API_VERSION, API_VERSIONS, AgentInfo, AssignmentsReply, OriginLease,
+    ProgressReply, SourceInfo, TransferInfo, TransferOutcome, api_version_of,
 )
 
 __all__ = ["MxClient", "SourceInfo", "TransferInfo", "ProgressReply", "AgentInfo",
-           "TransferOutcome"]
+           "TransferOutcome", "OriginLease"]
 
 log = logging.getLogger(__name__)
 
@@ -529,6 +529,55 @@ class MxClient(ClosedOnCollect):
         """
         return _reply(TransferInfo, self._request(
             "POST", f"/v1/transfers/{transfer_id}/restart"))
+
+    # --- origin leases ----------------------------------------------------------------
+    def acquire_origin(self, identity: ModelIdentity | str, holder: str,
+                       ttl_s: float) -> OriginLease:
+        """Take the origin lease of ``identity``: become the one target that reads it from
+        storage (``modelexpress.server.origins``). Taking one already held renews it.
+
+        Raises:
+            ConflictError: another holder's lease has not expired.
+            NotFoundError: the server predates API version 4 (no origin leases).
+        """
+        ident = identity.id if isinstance(identity, ModelIdentity) else identity
+        return _reply(OriginLease, self._request(
+            "POST", f"/v1/identities/{ident}/origin", json={"holder": holder, "ttl_s": ttl_s}))
+
+    def renew_origin(self, identity: ModelIdentity | str, holder: str, generation: int,
+                     ttl_s: float, *, release: bool = False, source_id: str | None = None,
+                     digest_algorithm: str | None = None,
+                     digests: dict[str, str] | None = None, bytes_done: int | None = None,
+                     bytes_total: int | None = None, storage: str | None = None
+                     ) -> OriginLease:
+        """Extend the origin lease by ``ttl_s`` (``release``: end it), reporting the
+        source served while loading, progress, and digests read from storage (merged).
+
+        Raises:
+            ConflictError: another holder took the lease: stop reading as the origin.
+            NotFoundError: no lease for the identity.
+        """
+        ident = identity.id if isinstance(identity, ModelIdentity) else identity
+        body: dict[str, Any] = {"holder": holder, "generation": generation, "ttl_s": ttl_s,
+                                "release": release}
+        for key, value in (("source_id", source_id), ("digest_algorithm", digest_algorithm),
+                           ("bytes_done", bytes_done), ("bytes_total", bytes_total),
+                           ("storage", storage)):
+            if value is not None:
+                body[key] = value
+        if digests:
+            body["digests"] = dict(digests)
+        return _reply(OriginLease, self._request(
+            "POST", f"/v1/identities/{ident}/origin/renew", json=body))
+
+    def get_origin(self, identity: ModelIdentity | str) -> OriginLease:
+        """The origin lease of ``identity`` with every digest recorded so far.
+
+        Raises:
+            NotFoundError: no target ever became its origin (or an older server).
+        """
+        ident = identity.id if isinstance(identity, ModelIdentity) else identity
+        return _reply(OriginLease, self._request("GET", f"/v1/identities/{ident}/origin"))
 
     # --- compiled artifacts --------------------------------------------------------
     def report_artifact_outcome(self, identity_id: str, kind: str, outcome: str, *,

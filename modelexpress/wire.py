@@ -49,7 +49,8 @@ __all__ = [
     "SOURCE_STATES", "TRANSFER_STATES", "TRANSPORT_PATTERN", "VERDICTS",
     "SourceStateName", "TransferStateName",
     "TransferOutcome", "SourceSummary", "SourceInfo", "SourceDetail", "TransferInfo",
-    "ProgressReply", "AgentInfo", "AssignmentsReply", "HealthReply", "ErrorReply",
+    "ProgressReply", "AgentInfo", "AssignmentsReply", "OriginLease", "HealthReply",
+    "ErrorReply",
 ]
 
 SourceStateName = Literal["INITIALIZING", "READY", "STALE"]
@@ -68,7 +69,7 @@ VERDICTS = ("ok", "slow", "unknown")
 API_HEADER = "X-MX-API-Version"
 """The header that carries a request's (client's) or a response's (server's) API version."""
 
-API_VERSION = 3
+API_VERSION = 4
 """The control-plane API version this release speaks."""
 
 MIN_API_VERSION = 1
@@ -82,6 +83,9 @@ API_VERSIONS: dict[int, str] = {
        "compiled-artifact outcomes (POST /v1/artifacts/outcomes)",
     3: "a pull's transfer may be planned at creation as a fleet-relay reader "
        "(relay_read) and holder (relay_serve) on POST /v1/transfers",
+    4: "origin leases (GET, POST /v1/identities/{id}/origin, .../renew): one target of a "
+       "model no peer holds reads it from storage and serves it while it loads; a "
+       "fleet-relay transfer may be planned behind that loading origin",
 }
 """What each API version added (the upgrade notes a version mismatch points at)."""
 
@@ -275,6 +279,32 @@ class AssignmentsReply(_Parse):
     """Transfers newly assigned to an agent (claimed by this poll)."""
 
     transfers: list[TransferInfo]
+
+
+@dataclass(frozen=True, config=_REPLY)
+class OriginLease(_Parse):
+    """The origin lease of an identity (``modelexpress.server.origins``): who reads the
+    model from storage and serves it while it loads, and what it learnt so far."""
+
+    identity_id: str
+    acquired_at: float
+    renewed_at: float
+    expires_at: float
+    ttl_s: float
+    holder: str = Field("", description="The worker holding it; empty once released.")
+    generation: int = Field(1, description="Bumped each time another holder takes it; a "
+                                           "renewal names the generation it holds.")
+    held: bool = Field(False, description="Someone holds it and it has not expired.")
+    source_id: str | None = Field(None, description="The source the origin serves while "
+                                                    "it loads (INITIALIZING until READY).")
+    digest_algorithm: str | None = None
+    digests: dict[str, str] = Field(
+        default_factory=dict, description="Digests of the tensors read from storage so far "
+                                          "(GET only; other replies leave them out).")
+    digest_count: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    storage: str = Field("", description="Where the origin reads from (no credentials).")
 
 
 @dataclass(frozen=True, config=_REPLY)

@@ -10,6 +10,9 @@ GET      /v1/sources/{id}                      one source with manifest + agent 
 POST     /v1/sources/{id}/heartbeat            alive (optionally READY / STALE)
 DELETE   /v1/sources/{id}                      remove
 GET      /v1/identities/{id}/candidates        READY sources in the order to try them
+GET      /v1/identities/{id}/origin            the origin lease (who reads from storage)
+POST     /v1/identities/{id}/origin            take it (409 while another holds it)
+POST     /v1/identities/{id}/origin/renew      extend (or release) it, merging progress
 POST     /v1/transfers                         start (server picks a READY source if none)
 GET      /v1/transfers[/{id}]                  list / show
 POST     /v1/transfers/{id}/progress           worker totals; reply says ``stop``
@@ -66,7 +69,7 @@ from modelexpress.errors import (
 from modelexpress.server.metrics import CONTENT_TYPE, Metrics
 from modelexpress.server.models import (
     AgentOut, AgentRegister, ArtifactOutcomeIn, AssignmentsOut, ErrorOut, FinishIn, HealthOut,
-    HeartbeatIn,
+    HeartbeatIn, OriginAcquireIn, OriginLeaseOut, OriginRenewIn,
     ProgressIn, ProgressOut, SourceDetail, SourceOut, SourcePublish, TransferCreate,
     TransferOut, MAX_METADATA_B64,
 )
@@ -98,6 +101,7 @@ _IDENT = r"^[0-9a-f]{32}$"
 SourcePath = Annotated[str, Path(pattern=_ENTITY, description="source id (identity_id:worker_id)")]
 TransferPath = Annotated[str, Path(pattern=_ENTITY, description="transfer id")]
 AgentPath = Annotated[str, Path(pattern=_WORKER, description="agent (worker) id")]
+IdentityPath = Annotated[str, Path(pattern=_IDENT, description="identity id")]
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut} for code in (401, 404, 409, 413, 422, 503)}
@@ -395,6 +399,32 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
         """READY sources of an identity in the order a target should try them (the
         server's selection policy; default MX_SOURCE_POLICY)."""
         return cp.rank_sources(identity_id, exclude_worker, policy)
+
+    # --- origin leases (modelexpress.server.origins) ---------------------------------
+    @app.get("/v1/identities/{identity_id}/origin", response_model=OriginLeaseOut,
+             tags=["origins"])
+    def get_origin(identity_id: IdentityPath) -> Any:
+        """The origin lease of an identity, with the digests of every tensor read from
+        storage so far. 404: no target ever became its origin."""
+        return cp.origins.get(identity_id)
+
+    @app.post("/v1/identities/{identity_id}/origin", response_model=OriginLeaseOut,
+              tags=["origins"])
+    def acquire_origin(identity_id: IdentityPath, body: OriginAcquireIn) -> Any:
+        """Become the origin of a model no peer holds (read it from storage, serve it
+        while it loads). 409 while another holder's lease has not expired."""
+        return cp.origins.acquire(identity_id, body.holder, body.ttl_s)
+
+    @app.post("/v1/identities/{identity_id}/origin/renew", response_model=OriginLeaseOut,
+              tags=["origins"])
+    def renew_origin(identity_id: IdentityPath, body: OriginRenewIn) -> Any:
+        """Extend the lease (``release``: end it), merging the origin's source, progress
+        and digests. 409 when another holder took it: stop acting as the origin."""
+        return cp.origins.renew(identity_id, body.holder, body.generation, body.ttl_s,
+                                source_id=body.source_id,
+                                digest_algorithm=body.digest_algorithm, digests=body.digests,
+                                bytes_done=body.bytes_done, bytes_total=body.bytes_total,
+                                storage=body.storage, release=body.release)
 
     # --- transfers ---------------------------------------------------------------
     @app.post("/v1/transfers", response_model=TransferOut, status_code=201, tags=["transfers"])

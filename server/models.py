@@ -22,8 +22,8 @@ from pydantic.dataclasses import dataclass
 from modelexpress.identity import ModelIdentity
 from modelexpress.server.states import SourceState, TransferState
 from modelexpress.wire import (
-    AgentInfo, AssignmentsReply, ErrorReply, HealthReply, ProgressReply, SourceDetail,
-    SourceSummary, TransferInfo, TransferOutcome,
+    AgentInfo, AssignmentsReply, ErrorReply, HealthReply, OriginLease, ProgressReply,
+    SourceDetail, SourceSummary, TransferInfo, TransferOutcome,
 )
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
     "HeartbeatIn", "TransferCreate", "TransferOut", "ProgressIn", "ProgressOut", "FinishIn",
     "TransferOutcomeIn",
     "AgentRegister", "AgentOut", "AssignmentsOut", "HealthOut", "ErrorOut", "SourceDetail",
-    "MAX_METADATA_B64",
+    "OriginAcquireIn", "OriginRenewIn", "OriginLeaseOut", "MAX_METADATA_B64",
 ]
 
 WorkerId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")]
@@ -185,6 +185,35 @@ class ArtifactOutcomeIn(_Model):
     detail: Text = ""
 
 
+LeaseSeconds = Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)]
+Digest = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+TensorName = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+
+
+class OriginAcquireIn(_Model):
+    """``POST /v1/identities/{id}/origin``: become the origin of a model no peer holds."""
+
+    holder: WorkerId
+    ttl_s: LeaseSeconds = Field(description="The lease lapses this long after the last renewal.")
+
+
+class OriginRenewIn(_Model):
+    """``POST /v1/identities/{id}/origin/renew``: still alive (or, with ``release``, done),
+    with what was learnt since the last renewal (digests are merged)."""
+
+    holder: WorkerId
+    generation: Annotated[int, Field(ge=1, le=1 << 62)]
+    ttl_s: LeaseSeconds
+    release: bool = Field(False, description="End the lease now (the origin finished or "
+                                             "gave up); its digests and source stay.")
+    source_id: EntityId | None = None
+    digest_algorithm: Annotated[str, StringConstraints(max_length=64)] | None = None
+    digests: Annotated[dict[TensorName, Digest], Field(max_length=1 << 20)] = {}
+    bytes_done: Count | None = None
+    bytes_total: Count | None = None
+    storage: Text | None = None
+
+
 class AgentRegister(_Model):
     """``PUT /v1/agents/{id}``: a worker that executes REST-started transfers."""
 
@@ -197,6 +226,7 @@ class AgentRegister(_Model):
 # classes); the server's names for them.
 SourceOut = SourceSummary
 TransferOut = TransferInfo
+OriginLeaseOut = OriginLease
 ProgressOut = ProgressReply
 AgentOut = AgentInfo
 AssignmentsOut = AssignmentsReply

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from modelexpress.errors import ConflictError, NotFoundError, ValidationError
 from modelexpress.identity import ModelIdentity
 from modelexpress.server import content
+from modelexpress.server.origins import OriginLeases
 from modelexpress.server.states import (
     LIVE, TERMINAL, SourceState, TransferState, check_source_move, check_transfer_move,
 )
@@ -90,6 +91,7 @@ class ControlPlane:
         # reader over its limit, which is what a saturated fleet gets anyway.
         self._claim_lock = threading.Lock()
         self._rng = random.Random()
+        self.origins = OriginLeases(store, clock)
 
     # --- sources -------------------------------------------------------------
     def _effective(self, src: Record, now: float) -> Record:
@@ -331,10 +333,14 @@ class ControlPlane:
                 another identity).
         """
         ranked = self.rank_sources(identity_id, target_worker, policy)
+        loading = (self._loading_origin(identity_id, target_worker)
+                   if run_by_target and relay_read and not ranked else None)
         if source_id is not None:
             src = self._check_source(source_id, identity_id)
         elif ranked:
             src = ranked[0]
+        elif loading is not None:
+            src = loading  # a relay reader follows the origin while it loads
         else:
             raise ConflictError(
                 f"no READY source for identity {identity_id} other than the target "
@@ -587,7 +593,10 @@ class ControlPlane:
         agent relays (label ``relay=1``), the live transfers of agents that relay: the
         target then reads each chunk from that transfer's relay source as soon as it
         advertises it, and ``relay_path`` lists the holders behind it down to a READY
-        source. A transfer that names a source no longer READY gets another holder;
+        source. With no READY source, the source of the identity's live origin (its
+        lease names it: ``origins.py``) takes that place while it still loads: the
+        path ends there and the reader follows its watermark (DESIGN.md, "From zero").
+        A transfer that names a source no longer READY gets another holder;
         a source named at creation that is at its reader limit gives way to one that
         is not. ``holder`` False: the transfer reads through relays but serves nobody
         (a pull process, :meth:`create_transfer`'s ``relay_read``), so no later claim
@@ -605,6 +614,11 @@ class ControlPlane:
         target = t["target_worker"]
         ready = [s for s in self.list_sources(identity_id=t["identity_id"], state=_S.READY)
                  if s["worker_id"] != target and not s["worker_id"].startswith(f"{target}-")]
+        if not ready:
+            # From zero: the origin reading storage is the root of every path while it
+            # loads (its watermark grows like a relay's; the reader follows it).
+            loading = self._loading_origin(t["identity_id"], target)
+            ready = [loading] if loading is not None else []
         if not ready:
             return {}
         relays = labels.get("relay") == "1"
@@ -641,6 +655,20 @@ class ControlPlane:
                 "relay": relays and holder, "relay_path": list(a.path) if relays else [],
                 "relay_uplink_mbit": _mbit(labels.get("uplink_mbit"))}
 
+    def _loading_origin(self, identity_id: str, target_worker: str) -> Record | None:
+        """The source the live origin of ``identity_id`` serves while it loads (its
+        lease is held and names it; the source is not STALE, nor the target's own)."""
+        sid = self.origins.loading_origin(identity_id)
+        src = self.store.get("sources", sid) if sid else None
+        if src is None:
+            return None
+        src = self._effective(src, self.clock())
+        if (src["state"] == _S.STALE.value or src["identity_id"] != identity_id
+                or src["worker_id"] == target_worker
+                or src["worker_id"].startswith(f"{target_worker}-")):
+            return None
+        return src
+
     def list_agents(self) -> list[Record]:
         """Every registered agent, by id."""
         return sorted(self.store.list("agents"), key=lambda a: a["id"])
@@ -657,7 +685,7 @@ class ControlPlane:
         """
         now = self.clock()
         counts = {"staled": 0, "sources_deleted": 0, "transfers_deleted": 0,
-                  "agents_deleted": 0}
+                  "agents_deleted": 0, "leases_deleted": 0}
         for src in self.store.list("sources"):
             if src["state"] == _S.STALE.value:
                 if now - src["updated_at"] > self.gc_after_s:
@@ -681,6 +709,7 @@ class ControlPlane:
         for a in self.store.list("agents"):
             if now - a["last_seen"] > self.gc_after_s:
                 counts["agents_deleted"] += self.store.delete("agents", a["id"])
+        counts["leases_deleted"] = self.origins.sweep(self.gc_after_s)
         if any(counts.values()):
             log.info("sweep: %s", counts)
         return counts

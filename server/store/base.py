@@ -1,7 +1,8 @@
 """The store interface: JSON documents in named collections, with atomic updates.
 
-The server keeps three small collections (``sources``, ``blobs`` for the large
-manifest + agent metadata of a source, ``transfers``, ``agents``). Every record is
+The server keeps small collections (``sources``, ``blobs`` for the large
+manifest + agent metadata of a source, ``transfers``, ``agents``, ``leases`` for the
+origin of a model that no peer holds yet: ``server/origins.py``). Every record is
 a JSON object with an ``"id"`` key. State machines live in the app layer; the store
 only guarantees that :meth:`Store.update` is atomic: the function sees the current
 record and its result is written only if nobody changed the record in between. That
@@ -18,8 +19,8 @@ from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 __all__ = ["Collection", "COLLECTIONS", "Record", "Store"]
 
-Collection = Literal["sources", "blobs", "transfers", "agents"]
-COLLECTIONS: tuple[Collection, ...] = ("sources", "blobs", "transfers", "agents")
+Collection = Literal["sources", "blobs", "transfers", "agents", "leases"]
+COLLECTIONS: tuple[Collection, ...] = ("sources", "blobs", "transfers", "agents", "leases")
 Record = dict[str, Any]
 
 
