@@ -190,6 +190,37 @@ class MxSettings(BaseSettings):
         "vLLM source: after the engine's compile and warm-up, how long its cache directories "
         "must stay unchanged before they are published as artifacts.", gt=0, le=600)
 
+    # --- from zero: storage and the origin lease ---------------------------------
+    model_storage: str = _field(
+        "", "storage",
+        "Where the checkpoint is stored, for targets that start when no peer holds the "
+        "model: s3://BUCKET/PREFIX (endpoint and credentials from the usual AWS variables: "
+        "AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_REGION) or a directory. One target becomes the origin through a lease on the "
+        "control plane, reads it once and serves each piece as it lands; the others read "
+        "from it and from each other. Read by the vLLM loader (mx_model_storage overrides it) and "
+        "`modelexpress pull` (--from overrides it); empty: engines load from disk as vLLM "
+        "does and a pull needs a READY peer.")
+    storage_concurrency: int = _field(
+        8, "storage",
+        "Ranged reads of the checkpoint in flight at once (the origin's window: a follower "
+        "waits at most about this many ranges behind it).", ge=1, le=256)
+    storage_range_bytes: int = _field(
+        8 * _MIB, "storage",
+        "Largest ranged read of the checkpoint, one request each; a small model's ranges are "
+        "smaller (the largest power of two within 1/128 of it, at least 256 KiB), so its "
+        "served prefix grows smoothly.", ge=4096)
+    storage_timeout_s: float = _field(
+        30.0, "storage",
+        "A storage request that connects or sends nothing for this long fails (a slow "
+        "endpoint): the origin then releases its lease and the load falls back.", gt=0)
+    origin_lease_s: float = _field(
+        10.0, "storage",
+        "The origin lease lapses this long after the origin's last renewal (it renews every "
+        "second): how long a dead origin's followers wait before the most advanced of them "
+        "takes over. Keep it below 2 x MX_TRANSFER_STALL_S, so that relays behind the new "
+        "origin do not give up on it first.", gt=0, le=3600)
+
     # --- shared-memory tensor arena -----------------------------------------
     shm_tensor_arena: bool = _field(
         False, "shm",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from modelexpress.errors import ConfigError
 from modelexpress.local.options import LocalOptions
 from modelexpress.p2p.selection import POLICIES
+from modelexpress.storage.base import StorageOptions
 
 if TYPE_CHECKING:
     from modelexpress.settings import MxSettings
@@ -72,6 +73,12 @@ class PullOptions:
             (``MX_RELAY_LINK_MBIT``; 0: unknown).
         relay_linger_s: see ``relay_serve`` (``MX_RELAY_LINGER_S``).
         heartbeat_interval_s: heartbeat of a relay source (``MX_HEARTBEAT_INTERVAL_S``).
+        model_storage: where the checkpoint is stored, for a fetch that may start from
+            zero (``MX_MODEL_STORAGE``; ``modelexpress pull --from``; the vLLM loader's
+            ``mx_model_storage``): :func:`~modelexpress.p2p.zero.fetch`. Empty: peers only.
+        storage: how storage is read (``MX_STORAGE_CONCURRENCY``, ``MX_STORAGE_RANGE_BYTES``,
+            ``MX_STORAGE_TIMEOUT_S``).
+        origin_lease_s: the origin lease's time to live (``MX_ORIGIN_LEASE_S``).
 
     Raises:
         ConfigError: a value out of range; the message names the allowed ones.
@@ -101,6 +108,9 @@ class PullOptions:
     relay_link_mbit: float = 0.0
     relay_linger_s: float = 10.0
     heartbeat_interval_s: float = 5.0
+    model_storage: str = ""
+    storage: StorageOptions = StorageOptions()
+    origin_lease_s: float = 10.0
 
     def __post_init__(self) -> None:
         # Sequences given as lists stay hashable and immutable.
@@ -120,6 +130,8 @@ class PullOptions:
             ("relay_linger_s", self.relay_linger_s, self.relay_linger_s >= 0, ">= 0"),
             ("heartbeat_interval_s", self.heartbeat_interval_s,
              self.heartbeat_interval_s > 0, "> 0"),
+            ("origin_lease_s", self.origin_lease_s, 0 < self.origin_lease_s <= 3600,
+             "> 0 and <= 3600"),
             ("stall_s", self.stall_s, self.stall_s >= 0, ">= 0 (0: only the deadline)"),
             ("max_gbps", self.max_gbps, self.max_gbps >= 0, ">= 0 (0: no cap)"),
             ("progress_interval_s", self.progress_interval_s, self.progress_interval_s >= 0,
@@ -153,6 +165,9 @@ class PullOptions:
             "relay_link_mbit": settings.relay_link_mbit,
             "relay_linger_s": settings.relay_linger_s,
             "heartbeat_interval_s": settings.heartbeat_interval_s,
+            "model_storage": settings.model_storage,
+            "storage": StorageOptions.from_settings(settings),
+            "origin_lease_s": settings.origin_lease_s,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

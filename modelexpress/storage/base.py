@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from modelexpress.errors import ConfigError
+
+if TYPE_CHECKING:
+    from modelexpress.settings import MxSettings
 
 __all__ = ["Storage", "StoredFile", "StorageOptions", "open_storage", "redact"]
 
@@ -69,6 +72,13 @@ class StorageOptions:
         ) if not ok]
         if bad:
             raise ConfigError("; ".join(bad))
+
+    @classmethod
+    def from_settings(cls, settings: "MxSettings") -> "StorageOptions":
+        """``MX_STORAGE_CONCURRENCY``, ``MX_STORAGE_RANGE_BYTES``, ``MX_STORAGE_TIMEOUT_S``."""
+        return cls(concurrency=settings.storage_concurrency,
+                   range_bytes=settings.storage_range_bytes,
+                   timeout_s=settings.storage_timeout_s)
 
 
 @runtime_checkable

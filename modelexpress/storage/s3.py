@@ -162,10 +162,10 @@ class S3Storage:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code == "NoSuchBucket":
                 return StorageReadError(f"s3://{self.bucket}: no such bucket ({code}); check "
-                                        "the URL (MX_STORAGE, --from)")
+                                        "the URL (MX_MODEL_STORAGE, --from)")
             if code in ("NoSuchKey", "NotFound", "404") or status == 404:
                 return StorageReadError(f"{where}: no such object ({code or status}) while "
-                                        f"{doing}; check the URL (MX_STORAGE, --from)")
+                                        f"{doing}; check the URL (MX_MODEL_STORAGE, --from)")
             if code in ("AccessDenied", "Forbidden", "403", "InvalidAccessKeyId",
                         "SignatureDoesNotMatch") or status == 403:
                 return StorageReadError(

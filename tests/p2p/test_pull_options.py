@@ -32,6 +32,14 @@ PULL_SETTINGS = {
     "MX_RELAY_CHUNK_BYTES": (str(1 << 20), "relay_chunk_bytes", 1 << 20),
     "MX_RELAY_LINGER_S": ("2.5", "relay_linger_s", 2.5),
     "MX_HEARTBEAT_INTERVAL_S": ("1.5", "heartbeat_interval_s", 1.5),
+    "MX_MODEL_STORAGE": ("s3://bucket/m", "model_storage", "s3://bucket/m"),
+    "MX_ORIGIN_LEASE_S": ("4.5", "origin_lease_s", 4.5),
+}
+# environment variable -> (value, StorageOptions field, expected value)
+STORAGE_SETTINGS = {
+    "MX_STORAGE_CONCURRENCY": ("3", "concurrency", 3),
+    "MX_STORAGE_RANGE_BYTES": (str(1 << 20), "range_bytes", 1 << 20),
+    "MX_STORAGE_TIMEOUT_S": ("2.5", "timeout_s", 2.5),
 }
 
 
@@ -42,6 +50,16 @@ def test_every_pull_setting_reaches_the_options(monkeypatch: pytest.MonkeyPatch)
         assert getattr(defaults, field) != expected, f"pick a non-default value for {env}"
     options = PullOptions.from_settings(MxSettings())
     for env, (_, field, expected) in PULL_SETTINGS.items():
+        assert getattr(options, field) == expected, env
+
+
+def test_every_storage_setting_reaches_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = PullOptions.from_settings(MxSettings()).storage
+    for env, (value, field, expected) in STORAGE_SETTINGS.items():
+        monkeypatch.setenv(env, value)
+        assert getattr(defaults, field) != expected, f"pick a non-default value for {env}"
+    options = PullOptions.from_settings(MxSettings()).storage
+    for env, (_, field, expected) in STORAGE_SETTINGS.items():
         assert getattr(options, field) == expected, env
 
 
