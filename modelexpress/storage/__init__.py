@@ -7,7 +7,8 @@ from zero (DESIGN.md, "From zero"): :func:`open_storage` picks the backend from 
 so a loading origin can serve each piece as it lands.
 """
 
-from modelexpress.storage.base import Storage, StorageOptions, StoredFile, open_storage, redact
+from modelexpress.storage.base import Storage, StorageOptions, StoredFile, redact
+from modelexpress.storage.open import open_storage
 from modelexpress.storage.layout import CheckpointLayout, TensorSpan, read_layout
 from modelexpress.storage.reader import StorageReader, range_bytes_for, read_checkpoint
 

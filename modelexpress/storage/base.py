@@ -1,8 +1,8 @@
-"""Where a checkpoint is stored: the :class:`Storage` interface and :func:`open_storage`.
+"""Where a checkpoint is stored: the :class:`Storage` interface and its options.
 
 A storage is read in byte ranges of its ``*.safetensors`` files, many at once, each
 range straight into the caller's memory (:class:`~.reader.StorageReader` decides which
-ranges and in what order). Two backends, chosen by the URL:
+ranges and in what order). Two backends, chosen by the URL (:func:`~.open.open_storage`):
 
 ==========================  ==============================================================
 ``/path/to/checkpoint``     :class:`~.directory.DirectoryStorage`: ``pread`` of local files
@@ -28,7 +28,7 @@ from modelexpress.errors import ConfigError
 if TYPE_CHECKING:
     from modelexpress.settings import MxSettings
 
-__all__ = ["Storage", "StoredFile", "StorageOptions", "open_storage", "redact"]
+__all__ = ["Storage", "StoredFile", "StorageOptions", "redact"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,26 +114,3 @@ class Storage(Protocol):
 def redact(url: str) -> str:
     """``url`` without credentials (``scheme://user:secret@host`` -> ``scheme://***@host``)."""
     return re.sub(r"//[^@/]*@", "//***@", url)
-
-
-def open_storage(url: str, options: StorageOptions | None = None) -> Storage:
-    """The storage ``url`` names: ``s3://bucket/prefix`` or a local path (``file://``
-    prefix optional).
-
-    Raises:
-        ConfigError: an unknown scheme or a malformed S3 URL.
-        DependencyError: boto3 is missing for an S3 URL (the ``s3`` extra).
-    """
-    opts = options or StorageOptions()
-    if url.startswith("s3://"):
-        from modelexpress.storage.s3 import S3Storage
-
-        return S3Storage(url, opts)
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", url):
-        raise ConfigError(f"unsupported storage URL {redact(url)!r}; use s3://BUCKET/PREFIX "
-                          "or a local checkpoint directory")
-    from modelexpress.storage.directory import DirectoryStorage
-
-    return DirectoryStorage(url, opts)
