@@ -64,6 +64,14 @@ checked against the origin's digest (a holder whose manifest disagrees with the
 origin's is never read); an unverified tensor is never counted, and the agent drops
 the destination of a transfer that did not succeed.
 
+From zero (:mod:`~modelexpress.p2p.zero`). The path may instead end at an origin still
+reading the model from storage: a source published INITIALIZING with a watermark word
+(a :class:`RelayServer` its storage reader advances). It is followed as a relay is, by
+its word, with its source record's state for the rest (READY: it holds everything;
+STALE or gone: it died). It knows no digest before storage's bytes arrive, so such a
+pull reads without digests (``verify`` off) and its caller checks every tensor
+against the digests the origin recorded; ``have`` resumes a pull that holds a prefix.
+
 Modified weights. A relay serves only while its agent holds the transfer's
 destination, which nothing writes but the READs. When the pull succeeded the relay
 digests every tensor again and only if all match the origin's does it become READY
@@ -189,6 +197,7 @@ class RelayServer:
 
         self.dest = dest
         self.origin = origin
+        self.identity = identity
         self.total = sum(e.nbytes for e in origin.tensors if e.name in dest)
         self._lock = threading.Lock()
         digests = {e.name: e.digest for e in origin.tensors
@@ -205,14 +214,16 @@ class RelayServer:
         except BaseException:
             manager.close()
             raise
+        self._attributes = {WATERMARK_ATTRIBUTE: {"addr": int(self._word.ctypes.data),
+                                                  "bytes": _WORD_BYTES}}
+        known = origin.digest_algorithm is not None and len(digests) == len(dest)
         self.handle: "SourceHandle | None" = serve_source(
             identity, dest, client=client, manager=manager, own_manager=True,
             worker_id=worker_id,
             heartbeat_interval_s=heartbeat_interval_s, guardian=True, backend=backend,
-            digests=origin.digest_algorithm is not None and len(digests) == len(dest),
-            digest_algorithm=origin.digest_algorithm, known_digests=digests,
-            attributes={WATERMARK_ATTRIBUTE: {"addr": int(self._word.ctypes.data),
-                                              "bytes": _WORD_BYTES}},
+            # (an origin still reading storage knows no digest yet: modelexpress.p2p.zero)
+            digests=known, digest_algorithm=origin.digest_algorithm if known else None,
+            known_digests=digests if known else None, attributes=self._attributes,
             state="INITIALIZING")
         log.info("relay source %s serving the chunks of %s as they arrive (published in "
                  "%.3f s)", self.handle.source_id, identity.model, time.perf_counter() - t0)
@@ -266,6 +277,34 @@ class RelayServer:
             handle.close()
             return None
         return handle
+
+    def complete(self, algorithm: str, digests: Mapping[str, str]) -> None:
+        """Every byte landed and ``digests`` are those of storage's bytes (a from-zero
+        origin, :mod:`~modelexpress.p2p.zero`): publish the source again, READY, with them
+        in its manifest, so that later pulls read and verify it as any source. Same
+        worker, memory and agent: readers still on it are not disturbed.
+
+        Raises:
+            ConflictError: a READY source of the identity serves other bytes.
+            MxError: the relay source was withdrawn, or publishing failed.
+        """
+        import json
+        import socket
+
+        handle = self.handle
+        if handle is None:
+            raise MxError("the relay source was withdrawn; nothing to complete")
+        self.advance(self.total)
+        manifest = handle.manager.build_manifest(
+            self.dest, digests=True, digest_algorithm=algorithm,
+            known_digests={name: digests[name] for name in self.dest},
+            attributes=self._attributes)
+        handle.client.publish_source(
+            self.identity, handle.worker_id, manifest=json.loads(manifest.to_json()),
+            agent_metadata=handle.manager.get_agent_metadata(),
+            endpoint=f"{socket.gethostname()}:{handle.manager.name}", state="READY")
+        log.info("source %s complete and READY (%d tensors, %s digests)", handle.source_id,
+                 len(self.dest), algorithm)
 
     def close(self) -> None:
         """Stop serving and delete the relay source's record (a relay that ended is no
@@ -340,7 +379,7 @@ class _Pieces:
     """
 
     def __init__(self, origin: "Manifest", dest: Mapping[str, "torch.Tensor"],
-                 chunk_bytes: int, verify: bool) -> None:
+                 chunk_bytes: int, verify: bool, have: int = 0) -> None:
         import torch
 
         self.algo = origin.digest_algorithm if verify else None
@@ -372,6 +411,19 @@ class _Pieces:
         self.checked = self.algo is not None
         self._next = 0  # first piece not yet in the advertised prefix
         self._lock = threading.Lock()
+        if have > 0:
+            # A prefix the destination holds already (a from-zero target's earlier round,
+            # whose caller verifies it: modelexpress.p2p.zero): its pieces count as landed
+            # and its whole tensors as done; a piece across its end is read again.
+            self.got.update(k for k, end in zip(self.keys, self.ends) if end <= have)
+            self.good.update(e.name for e in self.order
+                             if all(k in self.got for k in self.of_tensor[e.name]))
+            self._advance()
+
+    @property
+    def prefix(self) -> int:
+        """Bytes of the advertised prefix (every piece below it landed)."""
+        return self.ends[self._next - 1] if self._next else 0
 
     @property
     def complete(self) -> bool:
@@ -479,6 +531,9 @@ class _Holder:
         self.wait_s = _WORD_POLL_MIN_S  # next sleep while it has nothing new
         self.word_at = 0.0  # monotonic time of its next word READ (the stream's polls)
         self.opened = False  # a READ of its pieces completed on the current connection
+        # a source still loading (a from-zero origin, INITIALIZING with a watermark word):
+        # followed like a relay until it is READY
+        self.loading = False
 
 
 class RelayReader:
@@ -487,7 +542,9 @@ class RelayReader:
     Args:
         client: control-plane client.
         manager: the NIXL manager of the pull (the destination is registered with it).
-        origin_info, origin: the READY source at the end of the path and its manifest.
+        origin_info, origin: the source at the end of the path and its manifest: READY,
+            or a from-zero origin still loading (INITIALIZING; followed by its watermark
+            word and its record's state until it is READY).
         path: holder refs, the upstream first (``TransferInfo.relay_path``).
         identity_id: the model's identity id (relay sources are named from it).
         chunk_bytes: most bytes per posted READ request (``MX_RELAY_CHUNK_BYTES``); the
@@ -504,6 +561,11 @@ class RelayReader:
         local: the local transport's reader factory: a complete holder on this host is
             copied through it instead of a NIXL READ, ``local_group_bytes`` of whole
             tensors per copy (``MX_TRANSFER_CHUNK_BYTES``), each advertised when verified.
+        have: bytes of the prefix ``dest`` holds already (a from-zero target's earlier
+            round, which its caller verifies): not read again.
+
+    Attributes:
+        mark: the prefix held so far (also after a failure: what a next round keeps).
     """
 
     def __init__(self, client: "MxClient", manager: "NixlTransferManager",
@@ -512,8 +574,8 @@ class RelayReader:
                  link_mbit: float = 0.0, refuse_slow_transport: bool = False,
                  advertise: Callable[[int, int], None] | None = None,
                  publish: Callable[[int], None] | None = None,
-                 local: "ReaderFactory | None" = None, local_group_bytes: int = 1 << 30
-                 ) -> None:
+                 local: "ReaderFactory | None" = None, local_group_bytes: int = 1 << 30,
+                 have: int = 0) -> None:
         self.client = client
         self.manager = manager
         self.origin_info = origin_info
@@ -532,6 +594,9 @@ class RelayReader:
         if last is None or last.kind != "source" or last.ident != origin_info.id:
             self.path.append(_Holder(f"s:{origin_info.id}"))
         self.path[-1].info, self.path[-1].manifest = origin_info, origin
+        self.path[-1].loading = origin_info.state == "INITIALIZING"
+        self.have = have
+        self.mark = have
         self.gave_up: list[str] = []  # "ref: why", in order
         self.read_from: list[str] = []  # refs that delivered bytes
 
@@ -543,7 +608,7 @@ class RelayReader:
         control plane once a second then (for its state: ended, STALE, gone), and at
         every call before (the fallback: a relay without a word, or not yet connected).
         """
-        if h.kind == "source":
+        if h.kind == "source" and not h.loading:
             return total
         now = time.monotonic()
         self._follow_record(h, total, now)
@@ -559,7 +624,8 @@ class RelayReader:
         if h.word is not None and now - h.polled <= _STATE_EVERY_S:
             return
         try:
-            mark = self._record_mark(h, total, now)
+            mark = (self._source_mark(h, total, now) if h.kind == "source"
+                    else self._record_mark(h, total, now))
         except ServerUnavailableError as exc:
             if h.word is None:
                 raise
@@ -569,6 +635,21 @@ class RelayReader:
             return
         if mark > h.mark:
             h.mark, h.advanced = mark, now
+
+    def _source_mark(self, h: _Holder, total: int, now: float) -> int:
+        """A loading origin's watermark as its source record says: all of it once READY,
+        PeerError once it is STALE or gone (it died or withdrew), else what it had."""
+        h.polled = now
+        try:
+            info = self.client.get_source(h.ident)
+        except NotFoundError:
+            raise PeerError(f"its source {h.ident} is gone (the origin withdrew)") from None
+        if info.state == "STALE":
+            raise PeerError(f"its source {h.ident} is STALE (the origin died or withdrew)")
+        if info.state == "READY":
+            h.loading = False
+            return total
+        return h.mark
 
     def _record_mark(self, h: _Holder, total: int, now: float) -> int:
         """``h``'s watermark as its transfer record says (its ``bytes_done``)."""
@@ -624,7 +705,7 @@ class RelayReader:
         picked up by later calls (again after ``gap_s`` while the holder advances,
         backing off while it has nothing new); its record is read once a second, as in
         :meth:`_watermark`."""
-        if h.kind == "source":
+        if h.kind == "source" and not h.loading:
             return total
         now = time.monotonic()
         self._follow_record(h, total, now)
@@ -672,6 +753,8 @@ class RelayReader:
                     f"source ({state['mark']} of {total} bytes verified)")
             if h.kind == "source":
                 self._connect(h)
+                if h.loading:
+                    self._watch(h)  # its watermark word, as a relay's
                 break
             self._watermark(h, total)  # connects once its relay source is published
             if h.peer is None:
@@ -731,7 +814,7 @@ class RelayReader:
                         raise PeerError(
                             f"no piece landed for {self.stall_s:g} s (MX_TRANSFER_STALL_S): "
                             "the link may be down or the holder hung")
-                elif h.kind == "transfer" and self.stall_s > 0 and (
+                elif (h.kind == "transfer" or h.loading) and self.stall_s > 0 and (
                         now - h.advanced > 2 * self.stall_s):
                     raise PeerError(f"it advertised nothing new for {2 * self.stall_s:g} s")
                 elif now - last_log > _STILL_WAITING_EVERY_S:
@@ -789,14 +872,16 @@ class RelayReader:
             TransferCancelledError: ``stop`` was set.
             TransferTimeoutError: ``deadline_s`` ran out.
         """
-        pieces = _Pieces(self.origin, dest, self.chunk_bytes, self.verify)
+        pieces = _Pieces(self.origin, dest, self.chunk_bytes, self.verify, have=self.have)
         total = pieces.total
         self.manager.register_tensors(dict(dest))  # once, whole: reads take subsets
         adv = _Advertiser(self.advertise, total) if self.advertise is not None else None
-        state = {"mark": 0}
+        state = {"mark": pieces.prefix}
+        self.mark = pieces.prefix
 
         def advanced(mark: int) -> None:
             state["mark"] = mark
+            self.mark = mark
             # ORDER: ``mark`` comes from _Pieces only after every piece below it landed
             # (its READ completed) and every tensor that ends below it was verified (of
             # the tensor in progress, only landed pieces, which readers verify themselves
@@ -828,7 +913,7 @@ class RelayReader:
                 _go_on(stop, end, state["mark"], total)
                 h = self.path[at]
                 try:
-                    if h.kind == "source" and self.local is not None:
+                    if h.kind == "source" and not h.loading and self.local is not None:
                         whole = pieces.whole_tensors(pieces.below(total))
                         copied = (self._read_locally(h, {n_: dest[n_] for n_ in whole}, stop,
                                                      end, tensor_done) if whole else None)
