@@ -187,13 +187,21 @@ def pull(
     policy: Optional[str] = typer.Option(None, "--policy", help="random or spread"),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="replace an existing non-empty --out directory"),
+    from_: Optional[str] = typer.Option(
+        None, "--from", metavar="URL",
+        help="where the checkpoint is stored (s3://BUCKET/PREFIX or a directory; default "
+             "MX_MODEL_STORAGE): with no READY peer, one pull becomes the origin (a lease "
+             "on the control plane), reads it from there and serves it to the others"),
     server: Optional[str] = SERVER, as_json: bool = JSON,
 ) -> None:
     """Pull a model's weights from READY peers and write them as safetensors.
 
-    The output appears under --out only when complete (written beside it under a
-    hidden temporary name, then renamed); an existing non-empty --out is refused
-    unless --overwrite.
+    With --from (or MX_MODEL_STORAGE), a model no peer holds yet is read from storage
+    once: the first pull takes the origin lease and reads it, pulls started meanwhile
+    read from it and from each other (docs/DEPLOYMENT.md, "From zero"). The output
+    appears under --out only when complete (written beside it under a hidden
+    temporary name, then renamed); an existing non-empty --out is refused unless
+    --overwrite.
     """
     # Where a small pull's time goes around PullResult.phases (the demo prints it):
     # interpreter start + the CLI, resolving the identity, the pull() call around its
@@ -207,6 +215,11 @@ def pull(
     settings = _settings(server, as_json)
     _check_device(device)
     check_output(out, overwrite)  # refuse before any byte moves
+    storage_url = from_ if from_ is not None else settings.model_storage
+    if storage_url:
+        _pull_from_zero(model, out, storage_url, revision, dtype, quantization, tp, pp, ep,
+                        rank, overwrite, settings, as_json, startup_s)
+        return
     with _client(settings) as client, support.stop_on_signals(
             f"pull of {model} stopped; nothing was written to {out}") as stop:
         t0 = time.perf_counter()
@@ -235,6 +248,53 @@ def pull(
                f"{', '.join(result.source_ids)} in {result.seconds:.2f} s "
                f"({result.gbps:.2f} GB/s over {result.transport}); wrote {len(files)} file(s) "
                f"to {out}; transfer {result.transfer_id}")
+
+
+def _pull_from_zero(model: str, out: pathlib.Path, url: str, revision: str,
+                    dtype: str | None, quantization: str | None, tp: int, pp: int, ep: int,
+                    rank: int, overwrite: bool, settings: MxSettings, as_json: bool,
+                    startup_s: float) -> None:
+    """``pull --from URL``: peers first, else the model's loading origin, else storage as
+    the origin (:func:`modelexpress.p2p.zero.fetch`); then write ``out``."""
+    from modelexpress.checkpoint import save_checkpoint
+    from modelexpress.p2p.options import PullOptions
+    from modelexpress.p2p.zero import fetch
+    from modelexpress.storage import open_storage, read_layout
+
+    options = PullOptions.from_settings(settings, model_storage=url, relay_read=settings.relay,
+                                        relay_serve=settings.relay)
+    t0 = time.perf_counter()
+    with open_storage(url, options.storage) as storage, _client(settings) as client, \
+            support.stop_on_signals(f"pull of {model} stopped; nothing was written to "
+                                    f"{out}") as stop:
+        layout = read_layout(storage)
+        sizes: dict[str, int] = {}
+        for t in layout.tensors:
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.nbytes
+        identity = _identity(model, revision,
+                             dtype or (max(sizes, key=sizes.__getitem__) if sizes else "unknown"),
+                             quantization or "none", tp, pp, ep, rank)
+        with support.progress_bar(not as_json, f"pull {model}") as update:
+            result = fetch(identity, storage, client=client, options=options, layout=layout,
+                           progress=update, stop=stop)
+        call_s = time.perf_counter() - t0
+        try:
+            t1 = time.perf_counter()
+            files = save_checkpoint(result.tensors, out, overwrite=overwrite)
+            write_s = time.perf_counter() - t1
+        finally:
+            # ORDER: after the output is written (the tensors are not changed), serve the
+            # pulls still reading from this one for at most MX_RELAY_LINGER_S.
+            result.release()
+    summary = {"ok": True, **result.to_dict(), "from": storage.url,
+               "identity": identity.to_dict(), "out": [str(f) for f in files],
+               "command": {"startup_seconds": startup_s, "fetch_call_seconds": call_s,
+                           "write_seconds": write_s,
+                           "seconds_before_exit": support.process_age_s()}}
+    typer.echo(json.dumps(summary) if as_json else
+               f"pulled {result.bytes / 1e9:.3f} GB ({len(result.tensors)} tensors) as the "
+               f"{result.role} in {result.seconds:.2f} s ({result.storage_bytes / 1e9:.3f} GB "
+               f"read from {storage.url}); wrote {len(files)} file(s) to {out}")
 
 
 def _resolve_identity(client: Any, model: str, revision: str, dtype: str | None,
