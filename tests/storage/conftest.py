@@ -1,4 +1,4 @@
-"""Fixtures of the storage tests: a real S3-compatible server (moto's) and small checkpoints.
+"""Fixtures of the storage tests: a real S3-compatible server (moto's) on 127.0.0.1.
 
 The server runs in its own process on 127.0.0.1 (``s3_server.py``), one per test module;
 the clients under test (boto3 inside ``modelexpress.storage``) reach it through the
@@ -7,35 +7,11 @@ usual AWS variables, set per test with ``monkeypatch``.
 
 from __future__ import annotations
 
-import pathlib
-import sys
 from typing import Iterator
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from s3_server import S3Server, s3_env  # noqa: E402
-
-BUCKET = "mx-tests"
-
-
-def small_checkpoint(directory: pathlib.Path, *, shard_bytes: int = 96 << 10,
-                     seed: int = 5) -> pathlib.Path:
-    """A sharded safetensors checkpoint of ~300 KB: tensors of several dtypes and sizes
-    (a large one cut into several ranges, small ones that share a range)."""
-    import torch
-
-    from modelexpress.checkpoint import save_checkpoint
-
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {"embed.weight": torch.rand(200, 128, generator=gen).to(torch.bfloat16)}
-    for i in range(6):
-        tensors[f"layers.{i}.norm.weight"] = torch.rand(128, generator=gen)
-        tensors[f"layers.{i}.proj.weight"] = torch.rand(64, 128, generator=gen).to(torch.float16)
-        tensors[f"layers.{i}.step"] = torch.tensor([i], dtype=torch.int64)
-    tensors["lm_head.weight"] = torch.rand(200, 128, generator=gen).to(torch.bfloat16)
-    save_checkpoint(tensors, directory, shard_bytes=shard_bytes)
-    return directory
+from s3_server import S3Server, s3_env
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,13 @@ from typing import Iterator
 
 import pytest
 
-from conftest import BUCKET
+from zero_checkpoints import BUCKET
 from modelexpress._subproc import ModuleProcess, clean_env
 from modelexpress.checkpoint import load_checkpoint, real_model_checkpoint
 from modelexpress.client import MxClient
 from s3_server import s3_env
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "server"))
 from mx_server_procs import TOKEN, ServerProc  # noqa: E402
 
 pytestmark = [pytest.mark.s3, pytest.mark.nixl, pytest.mark.slow]

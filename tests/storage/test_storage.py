@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import BUCKET, small_checkpoint
+from zero_checkpoints import BUCKET, small_checkpoint
 from modelexpress.checkpoint import allocate_slab, load_checkpoint
 from modelexpress.errors import CheckpointError, ConfigError, StorageReadError
 from modelexpress.storage import (StorageOptions, StorageReader, open_storage, range_bytes_for,
