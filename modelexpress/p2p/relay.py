@@ -185,11 +185,15 @@ class RelayServer:
         origin: the origin's manifest (digests and algorithm are published as is).
         worker_id: :func:`relay_worker_id` of this agent and transfer.
         heartbeat_interval_s, backend: as the agent's fan-out sources.
+        manager: a NIXL manager made ahead for this relay (it is then the relay's own, and
+            closed with it): creating an agent costs ~0.1-1 s of CPU, which a from-zero
+            target pays before its fleet starts (:mod:`~modelexpress.p2p.zero`).
     """
 
     def __init__(self, client: "MxClient", identity: "ModelIdentity",
                  dest: Mapping[str, "torch.Tensor"], origin: "Manifest", *, worker_id: str,
-                 heartbeat_interval_s: float, backend: str) -> None:
+                 heartbeat_interval_s: float, backend: str,
+                 manager: "NixlTransferManager | None" = None) -> None:
         import numpy as np
         import torch
 
@@ -208,7 +212,7 @@ class RelayServer:
         # READ it; its address travels in the manifest's attributes.
         self._word = np.zeros(_WORD_BYTES // 8, dtype=np.uint64)
         self._word[:] = (0, _check(0))
-        manager = NixlTransferManager(backend=backend)
+        manager = manager or NixlTransferManager(backend=backend)
         try:
             manager.register_tensors({"mx-relay-watermark": torch.from_numpy(self._word)})
         except BaseException:

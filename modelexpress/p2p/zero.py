@@ -142,8 +142,9 @@ class _Holding:
         self.ref = ""
         self.record: "TransferInfo | None" = None
         self.tracker: Any = None
-        self._reported = 0.0
         self._agent = AgentStart(opts.backend, None, register=self.dest)
+        # the agent of the first relay source this target publishes (serve()), made now
+        self._relay_agent: AgentStart | None = AgentStart(opts.backend)
 
     @property
     def manager(self) -> "NixlTransferManager":
@@ -159,10 +160,12 @@ class _Holding:
 
         self.withdraw(f"re-planned as {worker_id}")
         plain = build_manifest(self.dest, digests=False)
+        ahead, self._relay_agent = self._relay_agent, None
         self.server = RelayServer(self.client, self.identity, self.dest, plain,
                                   worker_id=worker_id,
                                   heartbeat_interval_s=self.opts.heartbeat_interval_s,
-                                  backend=self.opts.backend)
+                                  backend=self.opts.backend,
+                                  manager=ahead.get() if ahead is not None else None)
         self.server.advance(self.mark)
         self.record = record
         self.ref = transfer_ref(record.id) if record is not None else source_ref(
@@ -203,6 +206,9 @@ class _Holding:
             if server is not None:
                 server.close()
             self._agent.close()
+            if self._relay_agent is not None:
+                self._relay_agent.close()
+                self._relay_agent = None
 
 
 def _wait_unread(client: "MxClient", ref: str, identity_id: str, timeout_s: float) -> None:
@@ -254,7 +260,6 @@ class ZeroFetch:
         serves the model already (an ordinary pull then allocates its own)."""
         if self.holding is None and not self._ready():
             self._holding_for()
-            self.holding.manager  # noqa: B018 - waits for the agent (raises what it raised)
         return self
 
     def close(self) -> None:
