@@ -50,6 +50,21 @@ Measured in one run, each against the link cap ``C`` (``--cap``, Mbit/s):
   write per target, which this machine's one disk does N times over; ``--relay-no-out``
   keeps the transfers in memory (the finish is then the last verified byte).
 
+* ``zero`` (``--only zero``): scale from zero. No source exists; the checkpoint (the
+  uniform one, in shards of ``--zero-shard-mib``) is in moto's S3 server
+  (``tests/storage/s3_server.py``) on a host of its own whose link is capped at C like
+  every target's. N = 1 and each ``--targets`` size of ``bench/zero_target.py`` get
+  ready (imports, layout, destination, NIXL agent) and then start together (a go
+  file): one takes the origin lease and reads storage, the others follow it (the fleet
+  relay's chain). Per N: ``last_s`` from the go to the last target's end,
+  ``vs_one = last_s / last_s(N=1)`` (one target alone reading storage, same run, same
+  links), ``storage_copies`` (object bytes the S3 server sent, counted by the server,
+  over the model's size), ``store_tx_mb`` (its NIC's count, headers and TCP included),
+  ``roles``, ``verified`` (every target's bytes hash to the checkpoint's and passed
+  the digests the origin recorded), ``cpu_busy``. ``kill_<N>``: the same with the origin
+  SIGKILLed once the lease says half the model was read (``killed_at``): its most
+  advanced follower takes the lease over and reads only the rest.
+
 Links: ``--mtu`` sets every veth's and bridge's MTU (default 1500; 9000 for jumbo
 frames, ~50 KB packets instead of ~1.8 KB, a tenth of the softirq time);
 ``--small-first`` (relay) shapes with ``htb``, packets under 1 KiB (requests, ACKs)
@@ -63,6 +78,7 @@ byte) in Mbit/s.
 Usage: sudo python bench/cluster.py [--cap 400] [--targets 2,4,8] [--stripes 2,4] [--quick]
        [--only relay] [--relay-model uniform,minilm] [--relay-chunk 4194304] [--queue-ms 100]
        [--relay-no-out] [--mtu 1500] [--small-first] [--env KEY=VALUE ...]
+       [--only zero --cap 50 --targets 4,8 --zero-kill]
 Prints progress lines on stderr, then ONE JSON object on the last line of stdout.
 """
 
@@ -408,6 +424,179 @@ def bench_relay(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.P
     return out
 
 
+def zero_checkpoint(directory: pathlib.Path, nbytes: int, shard_mib: float,
+                    tensors: int = 96) -> pathlib.Path:
+    """The uniform checkpoint (:func:`uniform_checkpoint`'s tensors) in shards of
+    ``shard_mib``: moto copies a whole object to answer each ranged GET, so small
+    objects keep the S3 server's CPU off the critical path (real stores do not)."""
+    import torch
+
+    from modelexpress.checkpoint import save_checkpoint
+
+    per = nbytes // tensors // 4
+    gen = torch.Generator().manual_seed(13)
+    save_checkpoint({f"layer.{i}.weight": torch.rand(per, generator=gen)
+                     for i in range(tensors)}, directory, shard_bytes=int(shard_mib * (1 << 20)))
+    return directory
+
+
+class _Store:
+    """moto's S3 server (tests/storage/s3_server.py) in a host of the cluster."""
+
+    PORT = 9000
+
+    def __init__(self, host: Host, work: pathlib.Path) -> None:
+        sys.path.insert(0, str(ROOT / "tests" / "storage"))
+        from s3_server import CREDENTIALS, s3_env
+
+        self.host = host
+        self.endpoint = f"http://{host.ip}:{self.PORT}"
+        self.env = s3_env(self.endpoint)
+        self.credentials = CREDENTIALS
+        port_file = work / "s3.port"
+        port_file.unlink(missing_ok=True)
+        self.proc = host.run([sys.executable, str(ROOT / "tests" / "storage" / "s3_server.py"),
+                              "--host", "0.0.0.0", "--port", str(self.PORT), "--port-file",
+                              str(port_file)], "s3", {})
+        end = time.monotonic() + START_DEADLINE_S
+        while not port_file.exists():
+            if self.proc.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"the S3 server did not start:\n{self.proc.tail()}")
+            time.sleep(0.1)
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        import httpx
+
+        resp = httpx.request(method, self.endpoint + path, json=body, timeout=30.0)
+        resp.raise_for_status()
+        return resp.json()
+
+    def upload(self, directory: pathlib.Path, bucket: str, prefix: str) -> None:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint,
+                          aws_access_key_id=self.credentials["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=self.credentials["AWS_SECRET_ACCESS_KEY"],
+                          region_name=self.credentials["AWS_REGION"])
+        s3.create_bucket(Bucket=bucket)
+        for f in sorted(directory.glob("*.safetensors")):
+            s3.upload_file(str(f), bucket, f"{prefix}/{f.name}")
+
+
+def bench_zero(cluster: NetnsCluster, fleet: Fleet, cap: float, work: pathlib.Path,
+               sizes: list[int], nbytes: int, shard_mib: float, kill: bool,
+               queue_ms: float, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """N targets that start together with no source (see the module docstring)."""
+    import hashlib
+
+    import torch
+
+    from modelexpress.storage import open_storage, read_checkpoint
+
+    ckpt = zero_checkpoint(work / "zero-ckpt", nbytes, shard_mib)
+    with open_storage(str(ckpt)) as local:
+        layout, tensors = read_checkpoint(local)
+    want = hashlib.sha256()
+    for t in tensors.values():
+        want.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    total = layout.total_bytes
+    del tensors
+    store_host = cluster.add_host("zstore")
+    store = _Store(store_host, work)
+    store.upload(ckpt, "mx-bench", "zero")  # before the link is capped
+    hosts = [cluster.add_host(f"z{i}") for i in range(max(sizes))]
+    for h in [store_host, *hosts]:
+        h.shape(cap, queue_ms=queue_ms)
+    url = "s3://mx-bench/zero"
+    env = {**store.env, "MX_TRANSFER_STALL_S": "10", "MX_ORIGIN_LEASE_S": "5",
+           "MX_IPC_DIR": "off", "MX_RELAY_LINGER_S": "30", **(extra_env or {})}
+    out: dict[str, Any] = {"bytes": total, "files": len(layout.files),
+                           "t1_s": round(total * 8 / (cap * 1e6), 3), "env": extra_env or {}}
+    runs = [(n, False) for n in sorted({1, *sizes})] + ([(max(sizes), True)] if kill else [])
+    for n, killing in runs:
+        key = f"kill_{n}" if killing else str(n)
+        name = f"bench/zero-{key}"
+        go = work / f"go-{key}"
+        workers = [f"zt-{key}-{h.name}" for h in hosts[:n]]
+        procs = [h.run([sys.executable, str(ROOT / "bench" / "zero_target.py"), "--model",
+                        name, "--from", url, "--go", str(go), "--worker", w], "zero",
+                       fleet.env(**env)) for h, w in zip(hosts, workers)]
+        for p in procs:
+            p.json_line(START_DEADLINE_S)  # ready
+        store.call("POST", "/_mx/reset")
+        tx0 = store_host.nic_bytes()[1]
+        cpu0 = _cpu_ticks()
+        go.touch()
+        killed_at = None
+        victim = None
+        if killing:
+            victim, killed_at = _kill_origin_halfway(fleet, name, total, dict(zip(workers, procs)))
+        results = [p.json_line(600) for p in procs if p is not victim]
+        cpu1 = _cpu_ticks()
+        stats = store.call("GET", "/_mx/stats")
+        tx1 = store_host.nic_bytes()[1]
+        for p in procs:
+            p.stop()
+        failed = [r for r in results if not r.get("ok")]
+        if failed:
+            raise RuntimeError(f"zero n={n}: {failed}")
+        first = min(r["go"] for r in results)
+        data = sum(v[1] for k, v in stats["by_key"].items() if k.startswith("mx-bench/zero/"))
+        row = {"last_s": round(max(r["end"] for r in results) - first, 3),
+               "finish_s": sorted(round(r["end"] - first, 2) for r in results),
+               "storage_copies": round(data / total, 4),
+               "store_tx_mb": round((tx1 - tx0) / 1e6, 1),
+               "roles": sorted(r["role"] + ("+took_over" if r["took_over"] else "")
+                               for r in results),
+               "verified": all(r["verified"] and r["sha256"] == want.hexdigest()
+                               for r in results),
+               "storage_bytes_by_target": sorted(r["storage_bytes"] for r in results),
+               # MB each target held at each second after the go (its first reading of
+               # a second; a target's line ends when it finished)
+               "held_mb_by_second": {r["worker"]: _per_second(r["progress"]) for r in results},
+               "cpu_busy": round((cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1), 3)}
+        if killing:
+            row["killed_at"] = killed_at
+        out[key] = row
+        _say(f"zero {key}: {row}")
+    one = out["1"]["last_s"]
+    for key, row in out.items():
+        if isinstance(row, dict) and "last_s" in row and key != "1":
+            row["vs_one"] = round(row["last_s"] / one, 3)
+    store.proc.stop()
+    return out
+
+
+def _per_second(samples: list[list[float]]) -> list[float]:
+    out: list[float] = []
+    for t, n in samples:
+        while len(out) <= int(t):
+            out.append(round(n / 1e6, 1))
+    return out
+
+
+def _kill_origin_halfway(fleet: Fleet, model: str, total: int,
+                         by_worker: dict[str, Any]) -> tuple[Any, float]:
+    """SIGKILL the target holding the origin lease of ``model`` once it recorded half of
+    it; returns that target and the fraction it had read."""
+    end = time.monotonic() + 600
+    with fleet.client() as c:
+        while time.monotonic() < end:
+            lease = None
+            for s in c.list_sources(model=model):
+                try:
+                    lease = c.get_origin(s.identity_id)
+                    break
+                except Exception:  # noqa: BLE001 - not taken yet
+                    continue
+            if lease is not None and lease.held and lease.bytes_done >= total // 2:
+                victim = by_worker[lease.holder]
+                victim.kill()
+                return victim, round(lease.bytes_done / total, 3)
+            time.sleep(0.05)
+    raise TimeoutError(f"the origin of {model} did not read half of it within 600 s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cap", type=float, default=400.0, help="link cap C in Mbit/s")
@@ -416,7 +605,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="cap 800, N 2, width 2, the uniform checkpoint only")
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
-    parser.add_argument("--only", default="", help="run one part: striping, fanout, relay")
+    parser.add_argument("--only", default="",
+                        help="run one part: striping, fanout, relay, zero (zero runs only "
+                             "when named, or with --quick)")
     parser.add_argument("--relay-model", default="uniform,minilm",
                         help="checkpoints of the relay part (uniform, minilm)")
     parser.add_argument("--relay-chunk", type=int, default=4 << 20,
@@ -438,6 +629,10 @@ def main() -> None:
                         "UCX_TCP_TX_SEG_SIZE=256k); repeatable")
     parser.add_argument("--queue-ms", type=float, default=100.0,
                         help="tbf queue (latency) of the relay part's links, in ms")
+    parser.add_argument("--zero-shard-mib", type=float, default=8.0,
+                        help="zero: the checkpoint's shard size in MiB")
+    parser.add_argument("--zero-kill", action="store_true",
+                        help="zero: also the largest N with the origin SIGKILLed halfway")
     args = parser.parse_args()
     bad = [kv for kv in args.env if "=" not in kv or not kv.split("=", 1)[0]]
     if bad:
@@ -485,6 +680,12 @@ def main() -> None:
                                                      args.queue_ms, not args.relay_no_out,
                                                      args.small_first,
                                                      dict(kv.split("=", 1) for kv in args.env))
+    if args.only == "zero" or (args.quick and args.only == ""):
+        with NetnsCluster(work / "zero", mtu=args.mtu) as cluster:
+            fleet = Fleet(cluster, cluster.add_host("server"))
+            result["zero"] = bench_zero(cluster, fleet, args.cap, work, sizes, nbytes,
+                                        args.zero_shard_mib, args.zero_kill, args.queue_ms,
+                                        dict(kv.split("=", 1) for kv in args.env))
     result["wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(result))
 
