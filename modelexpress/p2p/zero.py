@@ -73,6 +73,7 @@ _DIGESTS_EVERY_S = 0.1     # ...and sends new digests as soon as this after they
 _WAIT_S = 0.1              # polls of the lease while another target is becoming the origin
 _DEFER_S = 1.0             # a holder waits this long per holder ahead of it before contesting
 _LIVE = ("PENDING", "RUNNING", "STOPPING")
+_REPORT_EVERY_S = 0.2      # a holder's record hears its mark at most this often
 _STILL_WAITING_EVERY_S = 10.0
 
 
@@ -142,6 +143,7 @@ class _Holding:
         self.ref = ""
         self.record: "TransferInfo | None" = None
         self.tracker: Any = None
+        self._reporter: _Reporter | None = None
         self._agent = AgentStart(opts.backend, None, register=self.dest)
         # the agent of the first relay source this target publishes (serve()), made now
         self._relay_agent: AgentStart | None = AgentStart(opts.backend)
@@ -173,23 +175,33 @@ class _Holding:
         self.tracker = (TransferTracker(self.client, record.id, interval_s=0.5,
                                         source_id=record.source_id, run_by_target=True)
                         if record is not None else None)
+        if self.tracker is not None:
+            self._reporter = _Reporter(self.tracker, self.total)
 
     def advance(self, mark: int) -> None:
-        """Every byte below ``mark`` landed: tell readers (the word) and the record."""
+        """Every byte below ``mark`` landed: tell readers (the word, at once) and the
+        record (from a thread of its own: the read loops never wait on HTTP)."""
         if mark <= self.mark:
             return
         self.mark = mark
         if self.server is not None:
             self.server.advance(mark)
+        if self._reporter is not None:
+            self._reporter.set(mark)
+
+    def finish(self, state: str, error: str | None = None) -> None:
+        """End the transfer record (if any) with ``state``."""
+        reporter, self._reporter = self._reporter, None
+        if reporter is not None:
+            reporter.close()
         if self.tracker is not None:
-            self.tracker.report(mark, self.total)
+            self.tracker.finish(state, error=error, done=self.mark)
+            self.tracker = None
 
     def withdraw(self, why: str) -> None:
         """Stop serving and end the transfer record (FAILED: its readers re-plan)."""
         server, self.server = self.server, None
-        if self.tracker is not None:
-            self.tracker.finish("FAILED", error=f"from zero: {why}", done=self.mark)
-            self.tracker = None
+        self.finish("FAILED", error=f"from zero: {why}")
         if server is not None:
             server.close()
 
@@ -209,6 +221,41 @@ class _Holding:
             if self._relay_agent is not None:
                 self._relay_agent.close()
                 self._relay_agent = None
+
+
+class _Reporter:
+    """Reports a holder's mark as its record's progress, coalesced, from its own thread."""
+
+    def __init__(self, tracker: Any, total: int) -> None:
+        self._tracker, self._total = tracker, total
+        self._mark = self._sent = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="mx-zero-report", daemon=True)
+        self._thread.start()
+
+    def set(self, mark: int) -> None:
+        with self._cond:
+            self._mark = mark
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._mark == self._sent and not self._closed:
+                    self._cond.wait(1.0)
+                if self._closed:
+                    return
+                mark = self._mark
+            self._tracker.report(mark, self._total, force=True)
+            self._sent = mark
+            time.sleep(_REPORT_EVERY_S)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(10.0)
 
 
 def _wait_unread(client: "MxClient", ref: str, identity_id: str, timeout_s: float) -> None:
@@ -452,9 +499,7 @@ class ZeroFetch:
         bad = self._verify(holding)
         if bad:
             self._read_again(bad)
-        if holding.tracker is not None:
-            holding.tracker.finish("SUCCEEDED", done=holding.total)
-            holding.tracker = None
+        holding.finish("SUCCEEDED")
         return ZeroResult("follower", holding.dest, holding.total, self.storage.bytes_read,
                           time.monotonic() - self.start, True, rounds=self.rounds,
                           _holding=holding)
@@ -573,9 +618,7 @@ class ZeroFetch:
                                  bytes_done=holding.total)
         holding.server.complete(digests.algorithm, digests.all())
         self.client.renew_origin(self.identity, self.worker, gen, ttl, release=True)
-        if holding.tracker is not None:
-            holding.tracker.finish("SUCCEEDED", done=holding.total)
-            holding.tracker = None
+        holding.finish("SUCCEEDED")
         log.info("from zero: %s loaded from %s as its origin (%d bytes from storage) and "
                  "READY", self.identity.model, self.storage.url, reader.bytes_read)
         return ZeroResult("origin", holding.dest, holding.total, self.storage.bytes_read,

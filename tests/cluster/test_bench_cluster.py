@@ -19,13 +19,13 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
 
-def test_cluster_bench_quick_reports_striping_and_fanout_and_leaves_nothing(
+def test_cluster_bench_quick_reports_striping_fanout_relay_and_zero_and_leaves_nothing(
         tmp_path: pathlib.Path) -> None:
     require_netns()
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "cluster.py"), "--quick",
                              "--workdir", str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    out, err = proc.communicate(timeout=420)
+    out, err = proc.communicate(timeout=540)
     assert proc.returncode == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
     stripe = result["striping_uniform"]
@@ -45,6 +45,11 @@ def test_cluster_bench_quick_reports_striping_and_fanout_and_leaves_nothing(
     assert set(split) == {"server", "origin", "bench", "softirq", "agents", "busiest_agent"}
     assert sum(split["agents"]) > 0 and sum(split["server"]) > 0, split
     assert relay["2"]["origin_tx_bytes_per_packet"] > 0
+    zero = result["zero"]  # from zero: storage on a host of its own, no source anywhere
+    assert zero["1"]["roles"] == ["origin"] and zero["2"]["roles"] == ["follower", "origin"]
+    for n in ("1", "2"):
+        assert zero[n]["verified"] and zero[n]["storage_copies"] <= 1.01, zero[n]
+    assert zero["2"]["vs_one"] > 0
     owner = f"{PREFIX}{proc.pid % (1 << 24):06x}"
     left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     left += subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
