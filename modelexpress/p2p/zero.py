@@ -510,20 +510,40 @@ class ZeroFetch:
 
         names = [t.name for t in self.layout.tensors]
         while True:
-            lease = self.client.get_origin(self.identity)
-            if len(lease.digests) >= len(names) and all(n in lease.digests for n in names):
+            algo, want = self._reference_digests(names)
+            if algo is not None:
                 break
-            self._go_on(f"waiting for the digests of {len(names) - len(lease.digests)} "
-                        "tensors from the origin")
+            self._go_on(f"waiting for the digests of the {len(names)} tensors from the origin")
             self._wait("the origin's digests")
-        algo = lease.digest_algorithm
-        assert algo is not None
         got = _digest.digest_many([holding.dest[n] for n in names], algo)
-        bad = [n for n, g in zip(names, got) if g != lease.digests[n]]
+        bad = [n for n, g in zip(names, got) if g != want[n]]
         if bad:
             log.error("from zero: %d tensors differ from storage's digests (e.g. %s); reading "
                       "them again from a READY holder", len(bad), bad[:3])
         return bad
+
+    def _reference_digests(self, names: list[str]) -> tuple[str | None, dict[str, str]]:
+        """Every tensor's digest, as the origins recorded them in the lease, or else as a
+        READY source of the identity publishes them (one that was published, not loaded
+        from zero); ``(None, {})`` while neither has them all."""
+        from modelexpress.p2p.manifests import manifest_of
+
+        try:
+            lease = self.client.get_origin(self.identity)
+        except NotFoundError:
+            lease = None
+        if lease is not None and lease.digest_algorithm and all(
+                n in lease.digests for n in names):
+            return lease.digest_algorithm, dict(lease.digests)
+        for info in self.client.list_sources(identity=self.identity, state="READY"):
+            try:
+                manifest = manifest_of(self.client.get_source(info.id))
+            except MxError:
+                continue
+            theirs = {e.name: e.digest for e in manifest.tensors if e.digest}
+            if manifest.digest_algorithm and all(n in theirs for n in names):
+                return manifest.digest_algorithm, theirs
+        return None, {}
 
     def _read_again(self, bad: list[str]) -> None:
         from modelexpress.p2p.target import pull
