@@ -5,12 +5,15 @@ Why boto3's ranged GETs, each body read with ``readinto`` straight into the dest
 runai-model-streamer, the library vLLM's ``--load-format runai_streamer`` uses, nor
 boto3's own transfer manager: measured by ``bench/storage.py`` against the same S3
 server, all three reading the same ranges into the caller's memory (docs/benchmarks.md,
-"Reading storage", has the command, the machine and the log). On that server boto3's
-ranged GETs read fastest, at the least CPU per byte and the shortest wait for the first
-range; the transfer manager adds a copy and a queue per write and says how many bytes
-landed, not which; runai's C++ reader (which can write to raw addresses too) cost two to
-three times the CPU per byte, its first read paid ~1 s to start the AWS C++ SDK, and it
-weighs 20 MB of native libraries and a torch requirement. boto3 also gives what the
+"Reading storage", has the command, the machine and the logs,
+``bench/results/2026-12-06-cpu2/storage_library_run*.log``). 256 MiB from moto's server
+on 127.0.0.1, 8 ranges of 8 MiB at once, 2-core VM: the client's CPU per GB read was
+0.82-0.89 s for boto3's ranged GETs, 1.24 s for the transfer manager, 1.63-2.59 s for
+runai-model-streamer; the first range landed after 71-90 ms, 108 ms and 210-217 ms (runai
+1.1-1.3 s on its first read: starting the AWS C++ SDK). Wall times (0.16-0.27 GB/s) were
+moto's pace more than the clients' and changed order from run to run. Besides: the
+transfer manager adds a copy and a queue per write and says how many bytes landed, not
+which; runai weighs 20 MB of native libraries and a torch requirement. boto3 also gives what the
 origin needs for its faults: per-request timeouts (``MX_STORAGE_TIMEOUT_S``), S3's error
 codes (NoSuchKey, AccessDenied, InvalidRange) to say what went wrong in one line, and
 the AWS variables read the way every AWS tool reads them (``AWS_ENDPOINT_URL_S3`` or
