@@ -109,6 +109,10 @@ class LoadReport:
         phases: where ``load_model``'s wall time went, in seconds (``agent``, ``model``
             (vLLM's model construction), ``weights``, ``post_processing``, ``probe``,
             ``serve``, ``artifacts``, ``other``); logged as one line.
+        zero: how the checkpoint was fetched when no peer held the model
+            (``MX_MODEL_STORAGE``; :mod:`~modelexpress.engines.vllm.from_zero`): the
+            ``ZeroResult`` summary (``role`` origin, follower or peer); ``source`` is then
+            ``storage`` for the origin, ``fleet`` for a follower.
     """
 
     identity: ModelIdentity
@@ -126,6 +130,7 @@ class LoadReport:
     seconds: float = 0.0
     artifacts: Any = None
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    zero: Any = None
 
 
 @dataclasses.dataclass
@@ -289,6 +294,10 @@ class MxModelLoader(BaseModelLoader):
             loaded = self._try_pull(model, model_config, device, report, attempt)
             if loaded is not None:
                 return model, loaded
+            if self.options.model_storage:
+                loaded = self._try_zero(model, model_config, device, report, attempt)
+                if loaded is not None:
+                    return model, loaded
             if attempt.touched:
                 # The failed attempt wrote into the model (part of a pull, or a whole pull
                 # that the probe rejected, then post-processed); the disk loader needs a
@@ -373,6 +382,42 @@ class MxModelLoader(BaseModelLoader):
                     ", ".join(f"{k} {v:.3f} s" for k, v in result.phases.items()))
         return loaded
 
+    def _try_zero(self, model: nn.Module, model_config: ModelConfig, device: torch.device,
+                  report: LoadReport, attempt: "_PullAttempt") -> _Loaded | None:
+        """Fill ``model`` from the checkpoint fetched from zero (``MX_MODEL_STORAGE``:
+        :mod:`~modelexpress.engines.vllm.from_zero`) and post-process it; None (reason in
+        ``report``) on failure."""
+        from modelexpress.engines.vllm.from_zero import load_from_zero
+
+        def track(built: nn.Module, names: set[str] | None) -> None:
+            # vLLM's own check that every parameter was loaded (its default loader runs it
+            # for unquantized models that report what they loaded)
+            check = getattr(self._fallback, "track_weights_loading", None)
+            if check is not None and names is not None and model_config.quantization is None:
+                check(built, names)
+
+        assert self.options.pull_options is not None
+        attempt.touched = True  # load_weights writes into the model
+        t0 = time.perf_counter()
+        try:
+            result = load_from_zero(model, model_config, report.identity,
+                                    self.options.model_storage, self.options.pull_options,
+                                    self._client, track)
+        except Exception as exc:  # noqa: BLE001 - any failure falls back to vLLM's loader
+            report.fallback_reason = f"from zero failed: {type(exc).__name__}: {exc}"
+            logger.warning("modelexpress: fetching %s from %s failed, falling back to the %s "
+                           "loader: %s", model_config.model, self.options.model_storage,
+                           self.options.fallback_load_format, exc,
+                           exc_info=not isinstance(exc, MxError))
+            return None
+        report.weights_seconds = time.perf_counter() - t0
+        report.source = {"origin": "storage", "follower": "fleet"}.get(result.role, "peer")
+        report.zero = result.to_dict()
+        report.fallback_reason = None
+        serve = self.options.serve
+        return self._finish(model, model_config, device, report, keep=serve,
+                            probe=serve and self.options.probe)
+
     def _finish(self, model: nn.Module, model_config: ModelConfig, device: torch.device,
                 report: LoadReport, *, keep: bool, probe: bool,
                 tensors: dict[str, torch.Tensor] | None = None,
@@ -446,7 +491,9 @@ class MxModelLoader(BaseModelLoader):
 
     def _maybe_serve(self, model: nn.Module, identity: ModelIdentity, report: LoadReport,
                      loaded: _Loaded, arena: Any) -> bool:
-        wanted = self.options.serve if report.source == "disk" else self.options.serve_after_pull
+        # (a model fetched from zero was loaded from the checkpoint, as from disk)
+        wanted = (self.options.serve if report.source in ("disk", "storage", "fleet")
+                  else self.options.serve_after_pull)
         if not wanted:
             return False
         if loaded.unservable or not loaded.tensors:

@@ -49,6 +49,10 @@ class LoaderOptions:
             (``mx_probe``; ``MX_VLLM_PROBE``).
         fallback_load_format: vLLM load format used when no peer serves
             (``mx_fallback_load_format``, default ``auto``).
+        model_storage: where the checkpoint is stored (``mx_model_storage``;
+            ``MX_MODEL_STORAGE``): with no READY peer, engines that start together fetch
+            it from zero, one of them reading it from there
+            (:mod:`~modelexpress.engines.vllm.from_zero`); empty: vLLM's loader.
         identity_extra: facts added to the identity (``mx_identity_extra``, a dict).
         client_timeout_s, client_retries: HTTP client settings (environment only).
         settings: the settings the rest came from; the serve tuning that has no
@@ -70,6 +74,7 @@ class LoaderOptions:
     verify: bool = True
     probe: bool = True
     fallback_load_format: str = "auto"
+    model_storage: str = ""
     identity_extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
     client_timeout_s: float = 10.0
     client_retries: int = 3
@@ -85,7 +90,8 @@ class LoaderOptions:
                                               relay_serve=self.settings.relay)
                     if self.settings is not None else PullOptions())
             object.__setattr__(self, "pull_options", pull.replace(
-                timeout_s=self.pull_timeout_s, verify=self.verify))
+                timeout_s=self.pull_timeout_s, verify=self.verify,
+                model_storage=self.model_storage))
 
     @classmethod
     def from_extra_config(cls, own: Mapping[str, Any],
@@ -121,6 +127,7 @@ class LoaderOptions:
             "probe": settings.vllm_probe,
             "client_timeout_s": settings.client_timeout_s,
             "client_retries": settings.client_retries,
+            "model_storage": settings.model_storage,
             "settings": settings,
         }
         for key, value in own.items():
@@ -149,6 +156,7 @@ OPTION_KEYS: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "mx_probe": ("probe", bool),
     "mx_fallback_load_format": ("fallback_load_format", str),
     "mx_identity_extra": ("identity_extra", dict),
+    "mx_model_storage": ("model_storage", str),
 }
 
 

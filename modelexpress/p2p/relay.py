@@ -845,9 +845,13 @@ class RelayReader:
         manifest = manifest_of(info)
         theirs = {e.name: (e.digest, e.nbytes) for e in manifest.tensors}
         for e in self.origin.tensors:
-            if theirs.get(e.name) != (e.digest, e.nbytes):
+            digest, nbytes = theirs.get(e.name, (None, None))
+            # A holder that publishes no digest (a from-zero follower: it received the
+            # pieces before any digest was known) serves the same bytes; what it serves
+            # is checked against the origin's digests here, as any holder's.
+            if nbytes != e.nbytes or (digest is not None and digest != e.digest):
                 raise PeerError(f"its manifest differs from the origin's at {e.name!r}")
-        if manifest.digest_algorithm != self.origin.digest_algorithm:
+        if manifest.digest_algorithm not in (None, self.origin.digest_algorithm):
             raise PeerError("its manifest uses another digest algorithm than the origin's")
         h.info, h.manifest = info, manifest
 
