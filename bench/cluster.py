@@ -603,7 +603,8 @@ def main() -> None:
     parser.add_argument("--targets", default="2,4,8", help="fan-out sizes N")
     parser.add_argument("--stripes", default="2,4", help="striping widths n (0: none)")
     parser.add_argument("--quick", action="store_true",
-                        help="cap 800, N 2, width 2, the uniform checkpoint only")
+                        help="cap 800, N 2, width 2, the uniform checkpoint only; the zero "
+                             "case too (N 1 and 2)")
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     parser.add_argument("--only", default="",
                         help="run one part: striping, fanout, relay, zero (zero runs only "
