@@ -89,3 +89,28 @@ def test_tokens_that_part_at_a_near_tie_are_told_from_tokens_that_differ() -> No
     wrong = {"tokens": [[1, 5, 3, 4]], "logprob_gaps": [[1.2, 0.9, 0.0, 0.5]]}
     assert bench.compare_tokens(wrong, ref)[0] == "DIFFER"
     assert bench.compare_tokens(ref, ref) == ("same", [])
+
+
+def test_the_copy_rate_is_the_weights_pull_not_the_small_pulls_before_it() -> None:
+    """An artifact target pulls vLLM's model-info cache (748 bytes) and its compiled set
+    before the weights, over the same transport: the copy rate is the 16 GB pull's."""
+    bench = _bench()
+    text = (RUN / "run3-logs" / "mx-artifacts.log").read_text()
+    out = bench._ours(text)
+    assert out["copy_bytes"] == 16062620160 and out["copy_gbps"] == 1358.7, out
+
+
+def test_a_restart_runs_its_copy_of_the_caches_at_the_path_they_were_written_to(
+        tmp_path: pathlib.Path) -> None:
+    bench = _bench()
+    original, copy = tmp_path / "cold" / "vllm-cache", tmp_path / "warm" / "vllm-cache"
+    original.mkdir(parents=True)
+    (original / "graph").write_text("cold's")
+    copy.mkdir(parents=True)
+    (copy / "graph").write_text("warm's copy")
+    with bench._standing_in(original, copy):
+        assert (original / "graph").read_text() == "warm's copy"
+        (original / "new").write_text("written by the restart")
+    assert (copy / "new").exists() and not (original / "new").exists()
+    assert (original / "graph").read_text() == "cold's" and not original.is_symlink()
+    assert not (tmp_path / "cold" / "vllm-cache.parked").exists()
