@@ -39,6 +39,7 @@ __all__ = [
     "generate_llama_checkpoint",
     "real_model_checkpoint",
     "drop_page_cache",
+    "page_cache_residency",
     "time_disk_load",
 ]
 
@@ -525,6 +526,54 @@ def drop_page_cache(path: str | os.PathLike[str]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def page_cache_residency(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """How much of a checkpoint the page cache holds now: (resident bytes, total bytes).
+
+    ``mincore`` over a read-only shared mapping of each file: mapping a file and asking
+    faults nothing in, so the answer does not change what it measures. What makes a
+    cold read is the first number being near 0 (:func:`drop_page_cache` is advice).
+
+    Raises:
+        As :func:`checkpoint_files`; OSError where a file cannot be mapped.
+    """
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for file in checkpoint_files(path):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            total += size
+            if size == 0:
+                continue
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap of {file}: {os.strerror(err)}")
+            try:
+                pages = -(-size // page)
+                vec = (ctypes.c_ubyte * pages)()
+                if libc.mincore(addr, size, vec) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"mincore of {file}: {os.strerror(err)}")
+                # the last page counts only for the file's bytes in it
+                n = sum(v & 1 for v in bytes(vec))
+                resident += n * page - (page * pages - size if vec[pages - 1] & 1 else 0)
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return resident, total
 
 
 def time_disk_load(path: str | os.PathLike[str], cold: bool, device: str = "cpu") -> float:

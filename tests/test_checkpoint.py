@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from modelexpress.checkpoint import (LlamaShape, checkpoint_files, generate_llama_checkpoint,
-                                     load_checkpoint, real_model_checkpoint, save_checkpoint,
-                                     time_disk_load)
+                                     drop_page_cache, load_checkpoint, page_cache_residency,
+                                     real_model_checkpoint, save_checkpoint, time_disk_load)
 from modelexpress.errors import ConfigError
 
 
@@ -37,6 +37,33 @@ def test_generated_llama_checkpoint_has_llama_shapes(tmp_path: pathlib.Path) -> 
     assert all(torch.equal(loaded[n].view(torch.int16), t.view(torch.int16))
                for n, t in load_checkpoint(again).items())
     assert time_disk_load(tmp_path, cold=True) > 0
+
+
+def _fs_type(path: pathlib.Path) -> str:
+    """The filesystem type of the mount that holds ``path`` (/proc/self/mounts)."""
+    best, kind = "", ""
+    for line in pathlib.Path("/proc/self/mounts").read_text().splitlines():
+        mnt, fstype = line.split()[1:3]
+        if str(path.resolve()).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
+            best, kind = mnt, fstype
+    return kind
+
+
+def test_page_cache_residency_sees_a_read_and_a_drop_without_loading_anything(
+        tmp_path: pathlib.Path) -> None:
+    shape = LlamaShape(hidden=256, intermediate=512, heads=8, kv_heads=2, vocab=1000, layers=2)
+    files = generate_llama_checkpoint(tmp_path, shape)
+    total = sum(f.stat().st_size for f in files)
+    for f in files:
+        f.read_bytes()
+    assert page_cache_residency(tmp_path) == (total, total)
+    drop_page_cache(tmp_path)
+    dropped, seen_total = page_cache_residency(tmp_path)
+    assert seen_total == total
+    # asking again gives the same answer: the mapping and mincore faulted nothing in
+    assert page_cache_residency(tmp_path) == (dropped, total)
+    if _fs_type(tmp_path) not in ("tmpfs", "ramfs"):  # there the file IS its page cache
+        assert dropped < total // 2, (dropped, total)
 
 
 def test_real_model_checkpoint_is_present() -> None:
