@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import BackendError, ConfigError, PeerError
 # At import, not in _read_file: the copy threads would take the import lock mid-copy.
-from modelexpress.local.origin import NOWAIT_UNSUPPORTED, read_cached
+from modelexpress.local.origin import NOWAIT_UNSUPPORTED, cached_share, read_cached
 # The libc bindings the host VMM backend already declares (mmap/munmap with errno).
 from modelexpress.vmm.host import _MAP_FAILED, _MAP_NORESERVE, _mmap, _munmap
 
@@ -68,6 +68,14 @@ _MAP_SHARED = mmap.MAP_SHARED
 _MAP_PRIVATE = mmap.MAP_PRIVATE
 _MAP_ANONYMOUS = mmap.MAP_ANONYMOUS
 _MAP_FIXED = 0x10
+# A copy from a file segment reads the page cache only where it holds at least this
+# share of the copy's range (cachestat); below it the copy reads the memfd, which
+# starts no disk read (origin.py). Not 1.0: one page evicted between the count and the
+# read would send a whole copy (often the whole checkpoint: contiguous runs are merged)
+# to the memfd, the slower path; at 0.5 what the misses can bring back from disk is
+# at most half of it.
+FILE_MIN_CACHED = 0.5
+
 # Segments further apart than this start a new group (a new reserved range): the
 # reservation costs no memory, but a pathological layout must not reserve terabytes.
 MAX_GROUP_GAP = 1 << 36
@@ -284,11 +292,12 @@ class HostMapping(ClosedOnCollect):
         self._ext_fds = list(dict.fromkeys(fd for _, fd in files))  # each closed once
         self.files_on = True  # False: every read from the memfds (see read_into)
         self.file_bytes = 0   # bytes read_into took from a file's page cache
-        # Reads of a file segment the page cache did not serve in full (evicted pages).
-        # Such a read also starts the kernel's readahead of what it missed (measured on
-        # Linux 6.18: RWF_NOWAIT returns EAGAIN and queues the disk read), so a later
-        # read of those bytes may hit: a miss says the page cache had lost pages, not how
-        # many bytes the memfds then served.
+        # Reads of a file segment the page cache did not serve in full (pages evicted
+        # after the copy's cachestat, or everywhere on a kernel without it). Such a read
+        # also starts the kernel's readahead of what it missed (measured on Linux 6.18:
+        # RWF_NOWAIT returns EAGAIN and queues the disk read), so a later read of those
+        # bytes may hit: a miss says the page cache had lost pages, not how many bytes
+        # the memfds then served.
         self.file_misses = 0
         self._count = threading.Lock()
         pending = list(fds) + self._ext_fds
@@ -377,9 +386,10 @@ class HostMapping(ClosedOnCollect):
         """Where a read of ``nbytes`` at ``offset`` of ``segment`` starts, for a reader
         of its own (``hostcopy``'s native loop): ``(fd, offset in fd, from a file)``,
         a file to be read without waiting (``RWF_NOWAIT``; what the page cache does not
-        hold is left to :meth:`read_into`). None where only :meth:`read_into` can read
-        it (a file segment while :attr:`files_on` is off, a closed mapping, a range
-        outside the segment)."""
+        hold is left to :meth:`read_into`), or the memfd that holds the same bytes where
+        the file's page cache holds under :data:`FILE_MIN_CACHED` of them. None where
+        only :meth:`read_into` can read it (a file segment while :attr:`files_on` is
+        off, a closed mapping, a range outside the segment)."""
         if self._closed or offset < 0 or nbytes < 0:
             return None
         if segment < len(self._where):
@@ -389,7 +399,21 @@ class HostMapping(ClosedOnCollect):
         if not self.files_on or j >= len(self._ext):
             return None
         s, e, fd, foff = self._ext[j]
-        return (fd, foff + offset, True) if offset + nbytes <= e - s else None
+        if offset + nbytes > e - s:
+            return None
+        if not self._cached(fd, foff + offset, nbytes):
+            k = self._find(s + offset, nbytes)
+            return self._fds[k], s + offset - self._where[k][0], False
+        return fd, foff + offset, True
+
+    @staticmethod
+    def _cached(fd: int, file_offset: int, nbytes: int) -> bool:
+        """Whether to read ``[file_offset, +nbytes)`` of a file segment from the page
+        cache: unless it holds less than :data:`FILE_MIN_CACHED` of it (then the memfd:
+        a read there would queue disk reads, :func:`~.origin.cached_share`). True where
+        the kernel cannot say (the read then finds out, as before)."""
+        share = cached_share(fd, file_offset, nbytes)
+        return share is None or share >= FILE_MIN_CACHED
 
     def count_file_bytes(self, nbytes: int, misses: int = 0) -> None:
         """Add ``nbytes`` read from a file's page cache by a reader of its own
@@ -438,7 +462,7 @@ class HostMapping(ClosedOnCollect):
             raise ConfigError(f"read of {nbytes} bytes at offset {offset} is outside a "
                               f"file segment of {e - s} bytes")
         got = 0
-        if self.files_on:
+        if self.files_on and self._cached(fd, foff + offset, nbytes):
             try:
                 got = read_cached(fd, foff + offset, dst_addr, nbytes)
             except OSError as exc:

@@ -17,6 +17,8 @@ file the source also serves that file's descriptor and offset (a ``file`` segmen
     while loading -> no file extents
     per peer: fstat again: changed since the
     load -> that peer gets the memfds only
+                                                  each copy: cachestat of its file range
+                                                    under half of it cached -> the memfd
                                                   each piece: preadv2(file, RWF_NOWAIT)
                                                     not in the page cache (EAGAIN, short)
                                                       -> the rest of the piece from the memfd
@@ -30,9 +32,16 @@ Why the checks are enough: a file replaced by rename or deleted keeps its old in
 behind the held descriptor (same bytes); a write in place changes ``mtime`` (seen at
 the next peer's connect, as does one that puts ``mtime`` back: ``ctime`` still moves);
 a write in place during a copy changes bytes the digests cover, and the target then
-reads the memfds. A peer never waits for a disk: what an evicted page cache lacks it
-reads from the memfd (the kernel may start reading the file ahead meanwhile, which
-the next peer finds cached).
+reads the memfds. A peer never waits for a disk, and it does not make the kernel read
+one either: a ``RWF_NOWAIT`` read that misses still queues the disk read of what it
+missed (Linux 6.18), so a pull from a source whose page cache was evicted read the
+whole file back from disk while it copied, and took longer than reading the memfd
+alone (bench/peers.py, ``mx_pull`` cold; docs/benchmarks.md). So each copy first asks
+how much of its range the page cache holds (``cachestat``, Linux 6.5: it counts pages
+and reads nothing) and reads the memfd where that is under half
+(``memory.FILE_MIN_CACHED``); a page evicted between that count and the read still
+misses, as before. Where the kernel has no ``cachestat`` every copy reads the file as
+before this check.
 """
 
 from __future__ import annotations
@@ -49,7 +58,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FileExtent", "FileOrigin", "NOWAIT_UNSUPPORTED", "origins_for", "read_cached"]
+__all__ = ["FileExtent", "FileOrigin", "NOWAIT_UNSUPPORTED", "cached_share", "origins_for",
+           "read_cached"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +182,44 @@ if _preadv2 is not None:
     _preadv2.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_int, ctypes.c_long,
                          ctypes.c_int]
 _RWF_NOWAIT = 0x8  # Linux 4.14
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = 451  # Linux 6.5, the same number on every architecture (asm-generic)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_cachestat_ok = os.uname().sysname == "Linux"  # cleared where the kernel lacks it
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def cached_share(fd: int, file_offset: int, nbytes: int) -> float | None:
+    """The share of ``[file_offset, +nbytes)`` of a file that its page cache holds now
+    (``cachestat``: counts pages, reads nothing and starts no readahead); None where the
+    kernel cannot say (before Linux 6.5, or a sandbox that refuses the call).
+
+    Why ask before reading: a ``RWF_NOWAIT`` read that misses still queues the disk
+    read of what it missed (see the module docstring).
+    """
+    global _cachestat_ok
+    if not _cachestat_ok or nbytes <= 0:
+        return None
+    first = file_offset - file_offset % _PAGE
+    pages = -(-(file_offset + nbytes - first) // _PAGE)
+    rng, out = _CachestatRange(first, pages * _PAGE), _Cachestat()
+    if _syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.EOPNOTSUPP):
+            _cachestat_ok = False
+        return None
+    return min(1.0, out.nr_cache / pages)
 
 
 NOWAIT_UNSUPPORTED = -1
