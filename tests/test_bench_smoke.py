@@ -60,3 +60,34 @@ def test_relay_holder_bench_times_both_kinds_of_pull() -> None:
     assert out["bytes"] == 8 << 20 and out["rounds"] == 2
     assert len(out["all_s"]["plain"]) == len(out["all_s"]["holder"]) == 2
     assert out["plain_s"] > 0 and out["holder_s"] > 0 and out["holder_over_plain"] > 0
+
+
+@pytest.mark.slow
+def test_peers_bench_loads_every_tensor_with_safetensors_and_our_pull_warm_and_cold() -> None:
+    out = _run("peers.py", "--sizes", "70mb", "--loaders", "safetensors,mx_pull",
+               "--settle", "0")
+    (res,) = out["results"]
+    assert res["bytes"] == 70483200 and res["tensors"] == 33
+    rows = {(r["loader"], r["state"]): r for r in res["rows"]}
+    assert set(rows) == {(ld, st) for ld in ("safetensors", "mx_pull") for st in ("warm", "cold")}
+    for key, r in rows.items():
+        assert "error" not in r, (key, r["error"])
+        assert r["check"] == "ok", key  # every tensor's bytes, dtype and shape right
+        assert 0 < r["load_s"] < r["from_start_s"], key
+        assert r["python_s"] > 0 and r["imports_s"] > 0, key
+    assert rows["safetensors", "warm"]["cache_before"] == 1.0
+    assert rows["mx_pull", "warm"]["verified"] == 33
+    for state in ("warm", "cold"):
+        ratios = [v["load_vs_fastest"] for v in res["summary"][state].values()]
+        assert min(ratios) == 1.0 and all(x >= 1.0 for x in ratios), state
+
+
+def test_peers_bench_names_a_loader_that_is_not_installed() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import peers
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert peers._missing("safetensors") is None
+    line = peers._missing("mx_no_such_loader_package")
+    assert line is not None and line.startswith("not installed (mx_no_such_loader_package;")
