@@ -10,7 +10,14 @@ its memory (``RssAnon`` / ``RssFile`` / ``RssShmem`` of ``/proc/self/status``). 
 ``python`` (process start to the script's first line: interpreter and ``site``),
 ``imports`` (the loader's modules and torch), ``load`` (from the first call to every
 tensor in memory, including anything the loader imports lazily), and ``from start``
-(their sum: what a command or a new engine waits for).
+(their sum: what a command or a new engine waits for). Every row imports compiled
+bytecode, as an installed package has it (``--bytecode cached``: a private
+``PYTHONPYCACHEPREFIX`` filled by one untimed import per loader first; where the
+environment sets ``PYTHONDONTWRITEBYTECODE``, as this project's CI machines do, an
+editable install would otherwise compile its modules at every import and the others
+not). Each row starts after ``--settle`` seconds of quiet: on a VM whose free memory
+goes back to the host (free page reporting), new memory costs more when it was freed
+long ago than just now, so every row meets it in the same state.
 
 Loaders (``--loaders``; one not installed is reported as such, never skipped):
 
@@ -246,6 +253,9 @@ def child(args: argparse.Namespace) -> None:
         print(json.dumps(out), flush=True)
         return
     t_load = time.monotonic()
+    if args.imports_only:  # compiles the loader's modules into the bytecode cache
+        print(json.dumps(out), flush=True)
+        return
     try:
         tensors, extra = _load(loader, files, args.info)
     except Exception as exc:  # noqa: BLE001 - the row reports what the loader raised
@@ -379,12 +389,20 @@ def _room(nbytes: int, keep_cached: int, extra: int = 0) -> str | None:
                else "") + f"), the machine has {have / GIB:.1f} GiB")
 
 
-def _run_child(loader: str, files: list[str], ref_path: str, info: str) -> dict[str, Any]:
-    env = dict(os.environ)
+_CHILD_ENV: dict[str, str] = {}  # set by main(): the bytecode cache of the rows
+
+
+def _run_child(loader: str, files: list[str], ref_path: str, info: str,
+               imports_only: bool = False) -> dict[str, Any]:
+    env = dict(os.environ, **_CHILD_ENV)
+    if _CHILD_ENV.get("PYTHONPYCACHEPREFIX"):
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     if loader == "fastsafetensors_buffered":
         env["FASTSAFETENSORS_ODIRECT"] = "0"
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", loader,
            "--files", json.dumps(files), "--ref", ref_path, "--info", info]
+    if imports_only:
+        cmd.append("--imports-only")
     spawned = time.monotonic()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, timeout=900)
@@ -515,6 +533,10 @@ def run_size(size: str, shape: Any, loaders: list[str], rounds: int, root: str,
         json.dump(ref, fh)
     print(f"{size}: {nbytes / 1e9:.2f} GB, {len(ref)} tensors in {len(files)} files "
           f"({how}); {ckpt}", flush=True)
+    if _CHILD_ENV.get("PYTHONPYCACHEPREFIX"):
+        for loader in dict.fromkeys(loaders):  # untimed: fills the bytecode cache
+            if not _missing(LOADERS[loader][0]):
+                _run_child(loader, files, ref_path, "", imports_only=True)
     rows: list[dict[str, Any]] = []
     disk = [ld for ld in loaders if ld not in PULLS]
     pulls = [ld for ld in loaders if ld in PULLS]
@@ -591,7 +613,12 @@ def main() -> None:
                    "row, once its page cache state is set (see the docstring; 0: none)")
     p.add_argument("--dir", default="", help="where the checkpoints go (kept and reused; "
                    "default: a temporary directory, removed at the end)")
+    p.add_argument("--bytecode", choices=("cached", "as-is"), default="cached",
+                   help="cached: every row imports compiled bytecode, as an installed "
+                   "package has it (a private PYTHONPYCACHEPREFIX, filled by one untimed "
+                   "import per loader first); as-is: this environment's own setting")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--imports-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--files", default="[]", help=argparse.SUPPRESS)
     p.add_argument("--ref", default="", help=argparse.SUPPRESS)
     p.add_argument("--info", default="", help=argparse.SUPPRESS)
@@ -623,6 +650,8 @@ def main() -> None:
         print(f"  {ld}: {LOADERS[ld][1]}", flush=True)
     root = args.dir or tempfile.mkdtemp(prefix="mx-peers-")
     os.makedirs(root, exist_ok=True)
+    if args.bytecode == "cached":
+        _CHILD_ENV["PYTHONPYCACHEPREFIX"] = os.path.join(root, "pycache")
     results = []
     try:
         for s in sizes:
@@ -633,7 +662,7 @@ def main() -> None:
     env.update(loadavg_end=os.getloadavg(), seconds=round(time.time() - started, 1))
     bad = [r for res in results for r in res.get("rows", [])
            if r.get("check") not in (None, "ok")]
-    print(json.dumps({"bench": "peers", **env, "rounds": args.rounds, "settle_s": args.settle,
+    print(json.dumps({"bench": "peers", **env, "rounds": args.rounds, "settle_s": args.settle, "bytecode": args.bytecode,
                       "loaders": loaders,
                       "results": results}))
     if bad:
