@@ -45,6 +45,9 @@ Loaders (``--loaders``; one not installed is reported as such, never skipped):
   with digests verified, as shipped.
 * ``mx_pull_unverified``: the same pull with ``verify=False`` (the work the others do:
   no digests).
+* ``mx_pull_nocachestat`` (run only when named): the verified pull reading the source's
+  checkpoint file wherever its page cache lacks the bytes, as the pull did before it
+  asked the page cache first (``local/origin.py``): the A/B of that check.
 
 Page cache states:
 
@@ -76,6 +79,7 @@ Prints one line per row, a table per size and state, and ONE JSON object on the 
 line.
 Usage: python bench/peers.py --quick                      # 1gib, every loader, one run
        python bench/peers.py [--sizes 1gib,8gib] [--rounds 3] [--loaders a,b] [--dir D]
+       python bench/peers.py --quick --rounds 3 --loaders mx_pull,mx_pull_nocachestat
 """
 
 from __future__ import annotations
@@ -111,8 +115,12 @@ LOADERS: dict[str, tuple[str, str]] = {
     "instanttensor": ("instanttensor", "safe_open(device='cpu')"),
     "mx_pull": ("modelexpress", "modelexpress.local.pull from a serving peer, verified"),
     "mx_pull_unverified": ("modelexpress", "the same pull, verify=False"),
+    # not run unless named: the A/B of the cachestat check (local/origin.py)
+    "mx_pull_nocachestat": ("modelexpress", "the verified pull reading the file wherever "
+                            "its page cache lacks it (memory.FILE_MIN_CACHED = 0)"),
 }
-PULLS = ("mx_pull", "mx_pull_unverified")
+DEFAULT_LOADERS = [ld for ld in LOADERS if ld != "mx_pull_nocachestat"]
+PULLS = ("mx_pull", "mx_pull_unverified", "mx_pull_nocachestat")
 STATES = ("warm", "cold")
 INSTALL_HINT = "pip install -e '.[bench]'"
 
@@ -201,8 +209,11 @@ def _load(loader: str, files: list[str], info: str) -> tuple[dict[str, Any], dic
         published = json.load(fh)
     manifest = Manifest.from_json(published["manifest"])
     endpoint = LocalEndpoint.from_json(published["endpoint"])
+    if loader == "mx_pull_nocachestat":
+        from modelexpress.local import memory
+        memory.FILE_MIN_CACHED = 0.0  # bench-only: every copy reads the file, as before
     dest = allocate_like(manifest)
-    r = pull(endpoint, manifest, dest, verify=loader == "mx_pull")
+    r = pull(endpoint, manifest, dest, verify=loader != "mx_pull_unverified")
     extra.update(verified=r.verified, page_cache_bytes=r.page_cache_bytes,
                  page_cache_misses=r.page_cache_misses, huge_pages=r.huge_pages,
                  phases={k: round(v, 4) for k, v in r.phases.items()})
@@ -452,16 +463,18 @@ def _row(loader: str, state: str, rnd: int, ckpt: str, nbytes: int, ref_path: st
     if missing:
         r["error"] = missing
         return r
+    # safetensors' mmap rows copy nothing: their bytes are the page cache's
+    copy = 0 if loader == "safetensors" else nbytes
     if state == "warm":
-        refused = _room(nbytes, keep_cached=nbytes)
+        refused = _room(copy, keep_cached=nbytes)
         if refused is None:
             r["cache_before"] = _warm(ckpt)
-            refused = _room(nbytes, keep_cached=int(r["cache_before"] * nbytes))
+            refused = _room(copy, keep_cached=int(r["cache_before"] * nbytes))
     else:
         r["cache_before"] = _cold(ckpt)
         # tmpfs (and other memory filesystems): the file is its page cache
         r["not_cold"] = r["cache_before"] > NOT_COLD
-        refused = _room(nbytes, keep_cached=0)
+        refused = _room(copy, keep_cached=0)
     if refused:
         r["error"] = refused
         return r
@@ -551,7 +564,7 @@ def run_size(size: str, shape: Any, loaders: list[str], rounds: int, root: str,
         if os.path.exists(info):
             os.unlink(info)
         # the source's memfd and, while it loads, the page cache; then each row's copy
-        refused = _room(2 * nbytes, keep_cached=0)
+        refused = _room(nbytes, keep_cached=0, extra=nbytes)
         proc = None
         if refused is None:
             _warm(ckpt)  # the publisher loads from a warm page cache, as after a download
@@ -563,8 +576,7 @@ def run_size(size: str, shape: Any, loaders: list[str], rounds: int, root: str,
                     for loader in pulls:
                         if proc is None:
                             r = {"loader": loader, "state": state, "round": rnd,
-                                 "bytes": nbytes, "error": refused.replace(
-                                     "copy", "copy + source") if refused else "no source"}
+                                 "bytes": nbytes, "error": refused or "no source"}
                         else:
                             r = _row(loader, state, rnd, ckpt, nbytes, ref_path, info, settle)
                         print(_row_line(size, r), flush=True)
@@ -606,8 +618,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the 1gib size alone, one run")
     p.add_argument("--sizes", default="1gib,8gib", help="checkpoint sizes: 70mb, 1gib, 8gib")
-    p.add_argument("--loaders", default=",".join(LOADERS), help="loaders to run, of: "
-                   + ", ".join(LOADERS))
+    p.add_argument("--loaders", default=",".join(DEFAULT_LOADERS),
+                   help="loaders to run, of: " + ", ".join(LOADERS))
     p.add_argument("--rounds", type=int, default=1, help="runs of every row (medians compared)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds of quiet before each "
                    "row, once its page cache state is set (see the docstring; 0: none)")
