@@ -41,7 +41,9 @@ how much of its range the page cache holds (``cachestat``, Linux 6.5: it counts 
 and reads nothing) and reads the memfd where that is under half
 (``memory.FILE_MIN_CACHED``); a page evicted between that count and the read still
 misses, as before. Where the kernel has no ``cachestat`` every copy reads the file as
-before this check.
+before this check. What a pull leaves to the memfd the source reads back itself once
+the peer is done (:func:`refill_page_cache`, where the host has the memory), so the
+next peers find the page cache again without any pull having waited for it.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["FileExtent", "FileOrigin", "NOWAIT_UNSUPPORTED", "cached_share", "origins_for",
-           "read_cached"]
+           "read_cached", "refill_page_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +150,77 @@ class FileOrigin:
                 runs.append(FileExtent(self, boff, foff, n))
         return runs
 
+    def uncached_bytes(self) -> int | None:
+        """Bytes of the file its page cache lacks now (``cachestat``); None where the
+        kernel cannot say or the file is closed."""
+        fd = self.fd
+        if fd < 0:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            return None
+        share = cached_share(fd, 0, size)
+        return None if share is None else round(size * (1.0 - share))
+
     def close(self) -> None:
         """Close the descriptor. Idempotent."""
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def refill_page_cache(origins: Sequence[FileOrigin], who: str = "") -> int:
+    """Ask the kernel to read back what the page cache of each (unchanged) origin lacks,
+    where the host has at least twice that memory available (``MemAvailable``): the
+    source's side of never making a pull wait on a disk (see the module docstring).
+    ``POSIX_FADV_WILLNEED`` queues the reads; this call may block while they are
+    queued, so a source runs it on a thread of its own.
+
+    Returns:
+        The bytes asked for (0: nothing was missing, the kernel cannot say, or the host
+        had not the memory).
+    """
+    missing, total = [], 0
+    for o in origins:
+        lack = o.uncached_bytes()
+        if lack and o.unchanged():
+            missing.append(o)
+            total += lack
+    if not total:
+        return 0
+    avail = _mem_available()
+    if avail is None or avail < 2 * total:
+        log.info("local source %s: %d bytes of its checkpoint's page cache were evicted; "
+                 "not read back (%s bytes available, twice that wanted): peers read the "
+                 "memfd", who, total, avail)
+        return 0
+    log.info("local source %s: reading back %d bytes of its checkpoint's evicted page cache "
+             "for the next peers", who, total)
+    for o in missing:
+        fd = o.fd
+        if fd < 0:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            # WILLNEED leaves out a last partial page (Linux 6.18): read it here
+            tail = os.fstat(fd).st_size % _PAGE
+            if tail:
+                os.pread(fd, tail, os.fstat(fd).st_size - tail)
+        except OSError as exc:  # closed meanwhile, or a filesystem that refuses it
+            log.debug("WILLNEED of %s failed: %s", o.path, exc)
+    return total
 
 
 def origins_for(files: Sequence[str | os.PathLike[str]]) -> list[FileOrigin]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from modelexpress._closing import ClosedOnCollect
 from modelexpress.errors import ConfigError, PeerError
 from modelexpress.local import protocol
+from modelexpress.local.origin import refill_page_cache
 from modelexpress.local.protocol import LocalEndpoint, Segment
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ class LocalSource(ClosedOnCollect):
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._refill: threading.Thread | None = None  # reads back an evicted page cache
         self.counters = dict.fromkeys(("connections", "refused", "served", "failed"), 0)
         self._closed = False
 
@@ -372,6 +374,7 @@ class LocalSource(ClosedOnCollect):
                 self.counters["served"] += 1
             log.info("local source %s: %s mapped %d segments", self.source_id, peer, sent)
             self._hold(conn, peer)
+            self._refill_page_cache()
         except (OSError, PeerError, ValueError) as exc:
             with self._lock:
                 self.counters["failed"] += 1
@@ -463,6 +466,23 @@ class LocalSource(ClosedOnCollect):
             protocol.send(conn, {"op": "closing"})
         except OSError:
             pass
+
+    def _refill_page_cache(self) -> None:
+        """After a peer is done: read back, on a thread of its own, what the page cache
+        of the checkpoint files this source serves has lost (``origin.refill_page_cache``:
+        pulls read the memfd where it is evicted and never start a disk read
+        themselves). One at a time; none once the source closes."""
+        with self._lock:
+            if self._stop.is_set() or (self._refill is not None and self._refill.is_alive()):
+                return
+            origins = list({id(s.origin): s.origin for s in self._shared
+                            if s.origin is not None}.values())
+            if not origins:
+                return
+            self._refill = threading.Thread(target=refill_page_cache,
+                                            args=(origins, self.source_id),
+                                            name="mx-local-refill", daemon=True)
+            self._refill.start()
 
     # ------------------------------------------------------------ close
 
