@@ -444,7 +444,8 @@ def _row_line(size: str, r: dict[str, Any]) -> str:
             f"{mib['RssAnon']} file {mib['RssFile']} shmem {mib['RssShmem']} | check {r['check']}")
     if "page_cache_bytes" in r:
         line += (f" | pull: {r['page_cache_bytes'] / r['bytes']:.1%} from the page cache, "
-                 f"huge pages {r['huge_pages']}, phases {r['phases']}")
+                 f"huge pages {r['huge_pages']}, phases {r['phases']}; the source read its "
+                 f"page cache back to {r['cache_read_back']:.1%}")
     return line
 
 
@@ -468,20 +469,37 @@ def _row(loader: str, state: str, rnd: int, ckpt: str, nbytes: int, ref_path: st
     if state == "warm":
         refused = _room(copy, keep_cached=nbytes)
         if refused is None:
-            r["cache_before"] = _warm(ckpt)
-            refused = _room(copy, keep_cached=int(r["cache_before"] * nbytes))
+            refused = _room(copy, keep_cached=int(_warm(ckpt) * nbytes))
     else:
-        r["cache_before"] = _cold(ckpt)
-        # tmpfs (and other memory filesystems): the file is its page cache
-        r["not_cold"] = r["cache_before"] > NOT_COLD
+        _cold(ckpt)
         refused = _room(copy, keep_cached=0)
     if refused:
         r["error"] = refused
         return r
     time.sleep(settle)  # every row meets memory in the same state (see the docstring)
+    r["cache_before"] = _residency(ckpt)
+    if state == "cold":  # tmpfs (and other memory filesystems): the file is its page cache
+        r["not_cold"] = r["cache_before"] > NOT_COLD
     r.update(_run_child(loader, _files(ckpt), ref_path, info))
     r["cache_after"] = _residency(ckpt)
+    if loader in PULLS:
+        # the source reads back what the pull left to its memfd (local/origin.py): let
+        # that end before the next row sets its page cache state
+        r["cache_read_back"] = _quiesce(ckpt)
     return r
+
+
+def _quiesce(ckpt: str, limit_s: float = 120.0) -> float:
+    """The checkpoint's page cache share once it stops changing (bounded wait)."""
+    deadline = time.monotonic() + limit_s
+    last = _residency(ckpt)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = _residency(ckpt)
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
