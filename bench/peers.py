@@ -674,7 +674,8 @@ def main() -> None:
            "mem_available_gib": round(mem["MemAvailable"] / GIB, 1),
            "kernel": os.uname().release, "commit": _commit(), "versions": _versions(),
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)),
-           "loadavg_start": os.getloadavg()}
+           "loadavg_start": os.getloadavg(),
+           "command": " ".join([os.path.relpath(sys.executable), *sys.argv])}
     print(f"bench/peers.py: {env}", flush=True)
     for ld in loaders:
         print(f"  {ld}: {LOADERS[ld][1]}", flush=True)
