@@ -170,6 +170,9 @@ class FileOrigin:
             os.close(fd)
 
 
+_REFILL_STEP = 128 << 10  # the kernel's default readahead window (VM_READAHEAD_PAGES)
+
+
 def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo") as fh:
@@ -209,15 +212,19 @@ def refill_page_cache(origins: Sequence[FileOrigin], who: str = "") -> int:
     log.info("local source %s: reading back %d bytes of its checkpoint's evicted page cache "
              "for the next peers", who, total)
     for o in missing:
-        fd = o.fd
-        if fd < 0:
-            continue
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            # WILLNEED leaves out a last partial page (Linux 6.18): read it here
-            tail = os.fstat(fd).st_size % _PAGE
-            if tail:
-                os.pread(fd, tail, os.fstat(fd).st_size - tail)
+            size = os.fstat(o.fd).st_size
+            # One WILLNEED reads at most one readahead window of the device (Linux
+            # 6.18: a whole 1 GiB file asked at once got 8 MiB back), so the file is
+            # asked for a window at a time, in the smallest window a device has.
+            for off in range(0, size, _REFILL_STEP):
+                if o.fd < 0:  # the source closed meanwhile
+                    break
+                os.posix_fadvise(o.fd, off, _REFILL_STEP, os.POSIX_FADV_WILLNEED)
+            # and WILLNEED leaves out a last partial page: read it here
+            tail = size % _PAGE
+            if tail and o.fd >= 0:
+                os.pread(o.fd, tail, size - tail)
         except OSError as exc:  # closed meanwhile, or a filesystem that refuses it
             log.debug("WILLNEED of %s failed: %s", o.path, exc)
     return total

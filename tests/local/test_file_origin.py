@@ -144,7 +144,9 @@ def test_cached_share_counts_the_cached_pages_of_a_range_and_reads_none(tmp_path
 @pytest.mark.parametrize("loop", ["c", "python"])
 def test_an_evicted_page_cache_is_read_from_the_memfds_then_read_back_by_the_source(
         make_source, loop):
-    src = make_source("checkpoint", mib=8)
+    # larger than a device's readahead window (8 MiB on the 2-core VM's disk): one
+    # WILLNEED of the whole file would bring back only that window
+    src = make_source("checkpoint", mib=24)
     path = src.info["checkpoint"]
     nowait = _nowait_works(path)  # tmpfs: no page cache to evict, memfd reads anyway
     if nowait:
@@ -172,10 +174,11 @@ def test_an_evicted_page_cache_is_read_from_the_memfds_then_read_back_by_the_sou
         deadline = time.monotonic() + 30
         while _resident_pages(path) < pages and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _resident_pages(path) == pages, "the source did not read its page cache back"
+        # (readahead is advice: a few pages may stay out; the pull reads them elsewhere)
+        assert _resident_pages(path) >= 0.99 * pages, "the source did not read its page cache back"
         again = _target(src, *(["--python-loop"] if loop == "python" else []))
         assert again["ok"] and again["equal"]
-        assert again["page_cache_bytes"] == again["nbytes"]
+        assert again["page_cache_bytes"] >= 0.9 * again["nbytes"]
         return
     # Without cachestat the first read of the file misses; that miss starts the
     # kernel's readahead (Linux 6.18), and later reads may then hit the page cache: how
