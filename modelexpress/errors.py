@@ -9,7 +9,9 @@ callers catch our names only.
 
     MxError
     ├── ConfigError (ValueError)           bad argument or setting; says the allowed values
-    │   └── CheckpointError                a checkpoint file is unreadable / not safetensors
+    │   ├── CheckpointError                a checkpoint file is unreadable / not safetensors
+    │   └── LayoutError                    a layout is malformed or does not combine; names the tensor
+    │       └── CoverageError              the candidate sources do not hold a region a target needs
     ├── DependencyError (ImportError)      an optional extra is missing; says what to install
     ├── MxTimeoutError (TimeoutError)      a bounded wait ran out; says what it waited for
     ├── ArenaError                         VMM arena (modelexpress.vmm)
@@ -40,6 +42,7 @@ callers catch our names only.
     ├── ShmArenaError                      shared-memory tensor arena (modelexpress.shm_arena)
     │   └── ShmSpaceError                  /dev/shm too small; says how much is free and needed
     ├── NoSourceError                      no READY source could serve a pull
+    ├── LayoutUnavailableError             a model's layout cannot be derived; names the tensor and why
     ├── ArtifactRefusedError               a compiled-artifact set failed its signature, digests or paths
     └── WeightUpdateError                  an RL weight update failed; the engine kept its weights
 """
@@ -50,6 +53,8 @@ __all__ = [
     "MxError",
     "ConfigError",
     "CheckpointError",
+    "LayoutError",
+    "CoverageError",
     "DependencyError",
     "MxTimeoutError",
     "ArenaError",
@@ -78,6 +83,7 @@ __all__ = [
     "ShmArenaError",
     "ShmSpaceError",
     "NoSourceError",
+    "LayoutUnavailableError",
     "ArtifactRefusedError",
     "WeightUpdateError",
 ]
@@ -96,6 +102,16 @@ class CheckpointError(ConfigError):
 
     The message names the file and what is wrong with it.
     """
+
+
+class LayoutError(ConfigError):
+    """A layout (``modelexpress.layout``) is malformed, or two layouts cannot be combined;
+    the message names the tensor."""
+
+
+class CoverageError(LayoutError):
+    """The candidate sources of other layouts do not hold every region a target needs
+    (the message names the first checkpoint block none holds)."""
 
 
 class DependencyError(MxError, ImportError):
@@ -220,6 +236,12 @@ class ShmSpaceError(ShmArenaError):
 
 class NoSourceError(MxError):
     """No READY source could serve a pull; the message lists why each was skipped."""
+
+
+class LayoutUnavailableError(MxError):
+    """A model's layout cannot be derived or trusted (a quantized or expert layer, a
+    loader that computes from checkpoint values); the message names the tensor and why.
+    The model then pulls only from sources of its own layout."""
 
 
 class ArtifactRefusedError(MxError):

@@ -1,0 +1,75 @@
+"""Box copies as byte runs (what NIXL posts) and the local copy, check and finish steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from modelexpress.layout import Check, Copy, Fill, LayoutPlan, Scatter
+from modelexpress.layout.readers import _gather, box_view, check_blocks, copy_boxes, finish
+from modelexpress.layout.spans import coalesce_runs, covering_span, pair_runs
+
+
+def _apply_runs(src: torch.Tensor, dst: torch.Tensor, s_off, d_off, run: int) -> None:
+    sb, db = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+    for s, d in zip(s_off.tolist(), d_off.tolist()):
+        db[d:d + run] = sb[s:s + run]
+
+
+def test_a_row_range_is_one_run_and_a_column_slice_one_run_per_row() -> None:
+    rows = pair_runs(((8, 4), (0, 16)), (32, 16), ((0, 4), (0, 16)), (4, 16), 4)
+    assert (rows[0].tolist(), rows[1].tolist(), rows[2]) == ([8 * 16 * 4], [0], 4 * 16 * 4)
+    cols = pair_runs(((0, 3), (8, 8)), (3, 16), ((0, 3), (0, 8)), (3, 8), 2)
+    assert cols[0].tolist() == [16, 48, 80] and cols[1].tolist() == [0, 16, 32]
+    assert cols[2] == 16
+
+
+def test_runs_reproduce_a_strided_box_copy_exactly() -> None:
+    gen = torch.Generator().manual_seed(7)
+    src = torch.randn(6, 10, 12, generator=gen)
+    dst = torch.zeros(4, 5, 24)
+    src_box, dst_box = ((1, 4), (2, 5), (0, 12)), ((0, 4), (0, 5), (12, 12))
+    s_off, d_off, run = pair_runs(src_box, src.shape, dst_box, dst.shape, 4)
+    _apply_runs(src, dst, s_off, d_off, run)
+    assert torch.equal(box_view(dst, dst_box), box_view(src, src_box))
+    assert run == 12 * 4 and len(s_off) == 20
+
+
+def test_coalescing_merges_runs_adjacent_on_both_sides_only() -> None:
+    s, d, n = coalesce_runs(np.array([0, 8, 16, 40]), np.array([100, 108, 200, 208]),
+                            np.array([8, 8, 8, 8]))
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([0, 16, 40], [100, 200, 208], [16, 8, 8])
+
+
+def test_a_covering_span_read_then_gathered_equals_the_box() -> None:
+    src = torch.arange(8 * 32, dtype=torch.float32).view(8, 32)
+    box = ((2, 5), (16, 16))  # the right half of rows 2..6
+    off, n = covering_span(box, src.shape, 4)
+    assert (off, n) == ((2 * 32 + 16) * 4, ((6 * 32 + 31) - (2 * 32 + 16) + 1) * 4)
+    scratch = torch.zeros(n + 64, dtype=torch.uint8)
+    scratch[32:32 + n] = src.view(-1).view(torch.uint8)[off:off + n]
+    dst = torch.zeros(5, 16)
+    _gather(scratch, 32, off, src.shape, Copy("s", "w", box, "d", ((0, 5), (0, 16)), 0), dst)
+    assert torch.equal(dst, src[2:7, 16:32])
+
+
+def test_check_names_the_block_that_does_not_hash_to_its_digest_then_finish_fills() -> None:
+    from modelexpress.transfer import digest as _digest
+
+    src = {"w": torch.arange(64, dtype=torch.float32).view(8, 8)}
+    dest = {"t": torch.zeros(10, 8)}
+    copies = (Copy("s", "w", ((0, 8), (0, 8)), "t", ((0, 8), (0, 8)), 256),)
+    good = _digest.digest(src["w"][0:4], "xxh3-128")
+    second = _digest.digest(src["w"][4:8], "xxh3-128")
+    checks = (Check("w", 0, good, "t", ((0, 4), (0, 8)), ("s",)),
+              Check("w", 1, second, "t", ((4, 4), (0, 8)), ("s",)))
+    plan = LayoutPlan(copies=copies, checks=checks, scratch=(),
+                      scatters=(Scatter("t", ((0, 1), (0, 8)), "t", ((8, 1), (0, 8))),),
+                      fills=(Fill("t", ((9, 1), (0, 8)), 0.5),), algorithm="xxh3-128",
+                      needed_bytes=256, read_bytes=256, sources=("s",))
+    assert copy_boxes(plan.copies, src, dest) == 256
+    assert check_blocks(plan.checks, dest, plan.algorithm) == []
+    dest["t"][5, 3] += 1  # a byte that went wrong
+    assert [c.block for c in check_blocks(plan.checks, dest, plan.algorithm)] == [1]
+    finish(plan, dest)
+    assert torch.equal(dest["t"][8], src["w"][0]) and bool((dest["t"][9] == 0.5).all())
