@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 LAYOUT_VERSION = "2"
 
 
-def collect_loaded_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def collect_loaded_tensors(model: nn.Module, *, meta: bool = False) -> dict[str, torch.Tensor]:
     """The model's weights in their *loaded* form: parameters and buffers, once per storage.
 
     This is what vLLM's ``load_weights`` fills and ``process_weights_after_loading``
@@ -46,11 +46,13 @@ def collect_loaded_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Args:
         model: a model built by vLLM (weights loaded, or about to be pulled into).
+        meta: name a model built on the ``meta`` device (``layout.py`` derives a layout
+            on one) by the same rules; otherwise meta tensors are left out.
 
     Returns:
         ``{name: tensor}`` in ``named_parameters`` then ``named_buffers`` order; tied
         weights and views appear once (see the module docstring); tensors on
-        the ``meta`` device and empty ones are left out.
+        the ``meta`` device (unless ``meta``) and empty ones are left out.
 
     Raises:
         ValueError: two different storages got the same name (a bug).
@@ -59,19 +61,22 @@ def collect_loaded_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         yield from model.named_parameters(remove_duplicate=False)
         yield from model.named_buffers(remove_duplicate=False)
 
-    return _dedupe_storages(items())
+    return _dedupe_storages(items(), meta)
 
 
-def _dedupe_storages(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _dedupe_storages(items: Iterator[tuple[str, torch.Tensor]],
+                     meta: bool = False) -> dict[str, torch.Tensor]:
     groups: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in items:
-        if tensor.device.type == "meta":
+        if tensor.device.type == "meta" and not meta:
             logger.debug("modelexpress: %s is on the meta device; skipped", name)
             continue
         storage = tensor.untyped_storage()
         if storage.nbytes() == 0:
             continue
-        groups.setdefault((str(tensor.device), storage.data_ptr()), []).append((name, tensor))
+        # Meta storages have no address: the storage object itself tells them apart.
+        key = storage._cdata if tensor.device.type == "meta" else storage.data_ptr()
+        groups.setdefault((str(tensor.device), key), []).append((name, tensor))
 
     out: dict[str, torch.Tensor] = {}
     for members in groups.values():

@@ -80,7 +80,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 def make_tiny_llama(path: pathlib.Path, *, hidden_size: int = 128, num_layers: int = 2,
                     intermediate_size: int = 256, num_heads: int = 4, num_kv_heads: int = 2,
                     seed: int = 0, dtype: str = "float32",
-                    max_position_embeddings: int = 512) -> pathlib.Path:
+                    max_position_embeddings: int = 512,
+                    tie_word_embeddings: bool = False, arch: str = "llama",
+                    num_experts: int = 4) -> pathlib.Path:
     """Write a tiny Llama checkpoint (config.json, model.safetensors, tokenizer files) to path.
 
     The weights are random (``torch.manual_seed(seed)``), so the same arguments
@@ -93,13 +95,22 @@ def make_tiny_llama(path: pathlib.Path, *, hidden_size: int = 128, num_layers: i
         seed: seed of the random weights.
         dtype: ``torch_dtype`` of the saved weights (``"float32"``, ``"bfloat16"``...).
         max_position_embeddings: longest context the config allows.
+        tie_word_embeddings: the LM head is the input embedding (one tensor on disk).
+        arch: ``llama``; ``qwen2`` (the same shape with biases on q, k and v);
+            ``mixtral`` (its MLP an expert layer of ``num_experts``, two active).
+        num_experts: experts per layer of ``mixtral``.
 
     Returns:
         ``path``.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    }[arch]
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_dir()
@@ -108,16 +119,17 @@ def make_tiny_llama(path: pathlib.Path, *, hidden_size: int = 128, num_layers: i
     vocab_size = sum(1 for _ in (tok / "vocab.txt").open(encoding="utf-8"))
     special = json.loads((tok / "tokenizer.json").read_text())["added_tokens"]
     ids = {t["content"]: t["id"] for t in special}
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+    extra = {"num_local_experts": num_experts, "num_experts_per_tok": 2} if arch == "mixtral" else {}
+    config = config_cls(
+        **extra, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
         bos_token_id=ids["[CLS]"], eos_token_id=ids["[SEP]"], pad_token_id=ids["[PAD]"],
-        tie_word_embeddings=False, torch_dtype=dtype)
+        tie_word_embeddings=tie_word_embeddings, torch_dtype=dtype)
     torch_dtype = getattr(torch, dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch_dtype)
+        model = model_cls(config).to(torch_dtype)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
