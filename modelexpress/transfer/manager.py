@@ -50,7 +50,7 @@ from modelexpress.transfer.manifest import Manifest, build_manifest
 from modelexpress.transfer.nixl_adapter import NixlAgent
 from modelexpress.transfer.observer import TransportObserver
 from modelexpress.transfer.piece_stream import PieceStream
-from modelexpress.transfer.planner import ReadPlan, RegionIndex, plan_read
+from modelexpress.transfer.planner import ReadPlan, RegionIndex, plan_read, plan_runs
 from modelexpress.transfer.read_loop import ProgressCallback, ReadLoop, StopSignal, stopped
 from modelexpress.transfer.remote_word import RemoteWord
 from modelexpress.transfer.registration import (
@@ -491,6 +491,10 @@ class NixlTransferManager(ClosedOnCollect):
                                        f"within {timeout_s} s")
 
     # -- reading (active side) ------------------------------------------------------------
+    def ensure_registered(self, local: Mapping[str, torch.Tensor]) -> None:
+        """Register those of ``local`` that no registered region holds yet."""
+        self._ensure_local_registered(local)
+
     def _ensure_local_registered(self, local: Mapping[str, torch.Tensor]) -> None:
         index = {m: RegionIndex(self.registered_regions(m)) for m in ("DRAM", "VRAM")}
         missing = {}
@@ -599,11 +603,66 @@ class NixlTransferManager(ClosedOnCollect):
                         f"cannot verify {p.name!r}: the source digest is {p.remote.digest!r} "
                         f"with {algo} and the tensor is on {local[p.name].device}; publish with "
                         f"digest_algorithm={_digest.WSUM!r} or pass verify=False")
-        expected = expected_transport(plan.local_mem, plan.remote_mem,
-                                      manifest.host == socket.gethostname())
         # Starts the GPU digest kernel's build in the background (it does not block: until
         # it is ready, chunks verify with the torch form, which gives the same digest).
         _digest.prepare(algo, (local[p.name] for p in plan.pairs))
+        return self._read_plan(plan, local, peer, same_host=manifest.host == socket.gethostname(),
+                               algo=algo, deadline_s=deadline_s, progress=progress, stop=stop,
+                               on_tensor_done=on_tensor_done, max_inflight=max_inflight,
+                               refuse_slow_transport=refuse_slow_transport,
+                               probe_bytes=probe_bytes, stall_s=stall_s, connect=connect,
+                               patient=patient, warnings=warnings)
+
+    def read_runs(self, peer: str, local_descs: Any, remote_descs: Any, *, local_mem: str,
+                  remote_mem: str, same_host: bool, chunk_bytes: int = 1 << 30,
+                  deadline_s: float = 600.0, progress: ProgressCallback | None = None,
+                  stop: StopSignal | None = None, refuse_slow_transport: bool = False,
+                  probe_bytes: int = 64 << 20, max_inflight: int = 2,
+                  stall_s: float | None = None) -> TransferResult:
+        """READ byte runs the caller chose (``planner.plan_runs``) from ``peer``.
+
+        The cross-layout reader's path: boxes of the source's tensors into boxes of the
+        target's, so no manifest pairs them by name and no tensor digest checks them
+        (the caller verifies the blocks it assembled). Chunking, the rate verdict, stop,
+        stall and deadline are :meth:`read`'s; the local memory must be registered.
+
+        Args:
+            peer: a peer added with :meth:`add_peer`.
+            local_descs / remote_descs: Nx3 (addr, nbytes, device) rows.
+            local_mem / remote_mem: NIXL memory kinds.
+            same_host: the peer is on this host (the expected transport depends on it).
+            Others: as :meth:`read`.
+
+        Raises:
+            As :meth:`read`, except ManifestMismatchError and IntegrityError.
+        """
+        if max_inflight < 1 or deadline_s <= 0 or (stall_s is not None and stall_s <= 0):
+            raise ConfigError(f"max_inflight must be >= 1, deadline_s > 0 and stall_s > 0 or "
+                              f"None (got {max_inflight}, {deadline_s}, {stall_s})")
+        if peer not in self._peers:
+            raise PeerError(f"peer {peer!r} is not known to agent {self.name}; call "
+                            "add_peer(metadata) with the source's agent metadata first")
+        import numpy as np
+
+        total_guess = int(np.asarray(local_descs, dtype=np.uint64).reshape(-1, 3)[:, 1].sum())
+        plan = plan_runs(local_descs, remote_descs, local_mem=local_mem, remote_mem=remote_mem,
+                         chunk_bytes=chunk_bytes,
+                         first_chunk_bytes=probe_bytes if total_guess > 2 * probe_bytes else None)
+        return self._read_plan(plan, {}, peer, same_host=same_host, algo=None,
+                               deadline_s=deadline_s, progress=progress, stop=stop,
+                               on_tensor_done=None, max_inflight=max_inflight,
+                               refuse_slow_transport=refuse_slow_transport,
+                               probe_bytes=probe_bytes, stall_s=stall_s, connect=True,
+                               patient=False, warnings=[])
+
+    def _read_plan(self, plan: ReadPlan, local: Mapping[str, torch.Tensor], peer: str, *,
+                   same_host: bool, algo: str | None, deadline_s: float,
+                   progress: ProgressCallback | None, stop: StopSignal | None,
+                   on_tensor_done: Callable[[str], None] | None, max_inflight: int,
+                   refuse_slow_transport: bool, probe_bytes: int, stall_s: float | None,
+                   connect: bool, patient: bool, warnings: list[str]) -> TransferResult:
+        """Run a planned READ, judge its transport, and report it."""
+        expected = expected_transport(plan.local_mem, plan.remote_mem, same_host)
         sizes = [int(n) for n in plan.local_descs[:, 1]] if len(plan.local_descs) else []
         with self._observer.reading(peer, plan.local_mem, plan.remote_mem, sizes) as watch:
             runner = ReadLoop(self._agent, plan, local, peer, algo, deadline_s, progress, stop,

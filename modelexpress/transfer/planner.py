@@ -30,7 +30,8 @@ from modelexpress.transfer.manifest import Manifest, TensorEntry, tensor_entry
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Chunk", "Pair", "ReadPlan", "RegionIndex", "coalesce", "match", "plan_read"]
+__all__ = ["Chunk", "Pair", "ReadPlan", "RegionIndex", "coalesce", "match", "plan_read",
+           "plan_runs"]
 
 _MAX_LISTED = 8  # problems listed in one error message
 
@@ -78,7 +79,9 @@ class ReadPlan:
 
     @property
     def total_bytes(self) -> int:
-        return sum(p.local.nbytes for p in self.pairs)
+        # The chunks' bytes: the pairs' (zero-byte tensors add nothing), or those of the
+        # runs a plan_runs() plan carries without pairs.
+        return sum(c.nbytes for c in self.chunks)
 
 
 class RegionIndex:
@@ -270,3 +273,51 @@ def plan_read(manifest: Manifest, local: Mapping[str, torch.Tensor], *,
         remote_descs=np.array(remote_rows, dtype=np.uint64).reshape(-1, 3),
         chunks=tuple(chunks), done_after=tuple(done_after),
         local_mem=next(iter(local_mems)), remote_mem=next(iter(remote_mems)))
+
+
+def plan_runs(local_descs: np.ndarray, remote_descs: np.ndarray, *, local_mem: str,
+              remote_mem: str, chunk_bytes: int = 1 << 30,
+              first_chunk_bytes: int | None = None) -> ReadPlan:
+    """A plan of byte runs a caller chose itself (a cross-layout read: boxes of tensors,
+    ``modelexpress.layout.spans``), chunked like :func:`plan_read`'s. It has no pairs:
+    nothing in it is verified by tensor digest (the caller checks what it assembled).
+
+    Args:
+        local_descs / remote_descs: Nx3 (addr, nbytes, device) rows, the same sizes row
+            by row, in the order to read them.
+        local_mem / remote_mem: NIXL memory kinds (``DRAM``, ``VRAM``).
+        chunk_bytes, first_chunk_bytes: as :func:`plan_read`.
+
+    Raises:
+        ConfigError: bad chunk sizes, or rows that differ in size between the sides.
+    """
+    if chunk_bytes <= 0 or (first_chunk_bytes is not None and first_chunk_bytes <= 0):
+        raise ConfigError(f"chunk sizes must be > 0 (got {chunk_bytes}, {first_chunk_bytes})")
+    local_descs = np.asarray(local_descs, dtype=np.uint64).reshape(-1, 3)
+    remote_descs = np.asarray(remote_descs, dtype=np.uint64).reshape(-1, 3)
+    if len(local_descs) != len(remote_descs) or not np.array_equal(local_descs[:, 1],
+                                                                   remote_descs[:, 1]):
+        raise ConfigError("local and remote runs differ in number or size")
+    local_rows: list[tuple[int, int, int]] = []
+    remote_rows: list[tuple[int, int, int]] = []
+    chunks: list[Chunk] = []
+    start, filled = 0, 0
+    limit = first_chunk_bytes or chunk_bytes
+    for (la, n, ld), (ra, _, rd) in zip(local_descs.tolist(), remote_descs.tolist()):
+        off = 0
+        while off < n:
+            if filled >= limit:
+                chunks.append(Chunk(start, len(local_rows), filled))
+                start, filled, limit = len(local_rows), 0, chunk_bytes
+            take = min(n - off, limit - filled)
+            local_rows.append((la + off, take, ld))
+            remote_rows.append((ra + off, take, rd))
+            off += take
+            filled += take
+    if len(local_rows) > start:
+        chunks.append(Chunk(start, len(local_rows), filled))
+    return ReadPlan(pairs=(), descriptors=len(local_descs),
+                    local_descs=np.array(local_rows, dtype=np.uint64).reshape(-1, 3),
+                    remote_descs=np.array(remote_rows, dtype=np.uint64).reshape(-1, 3),
+                    chunks=tuple(chunks), done_after=(), local_mem=local_mem,
+                    remote_mem=remote_mem)
