@@ -328,7 +328,8 @@ class MxClient(ClosedOnCollect):
                        manifest: dict[str, Any], agent_metadata: bytes = b"",
                        endpoint: str = "",
                        state: Literal["INITIALIZING", "READY"] = "READY",
-                       devices: Sequence[str] = ()) -> SourceInfo:
+                       devices: Sequence[str] = (),
+                       layout: dict[str, Any] | None = None) -> SourceInfo:
         """Publish (or re-publish) this worker's source for ``identity``.
 
         Args:
@@ -341,6 +342,9 @@ class MxClient(ClosedOnCollect):
             devices: UUIDs of the GPUs the served memory is on (API version 2; left
                 out for a version-1 server, which has no place for them: they are
                 also in the manifest's attributes).
+            layout: the layout of the served loaded form (:mod:`modelexpress.layout`
+                JSON; API version 4: left out for an older server, and the source then
+                serves targets of its own layout only).
 
         Returns:
             The stored source; its ``id`` is what :meth:`heartbeat` takes.
@@ -353,7 +357,8 @@ class MxClient(ClosedOnCollect):
                 "manifest": manifest, "state": state}
 
         def for_version(version: int) -> dict[str, Any]:
-            return {**body, "devices": list(devices)} if version >= 2 and devices else body
+            out = {**body, "devices": list(devices)} if version >= 2 and devices else body
+            return {**out, "layout": layout} if version >= 4 and layout is not None else out
 
         return _reply(SourceInfo, self._request("PUT", "/v1/sources", json=for_version))
 
@@ -400,7 +405,8 @@ class MxClient(ClosedOnCollect):
                        source_id: str | None = None,
                        policy: Literal["random", "spread"] | None = None,
                        run_by_target: bool = False, relay_read: bool = False,
-                       relay_serve: bool = False) -> TransferInfo:
+                       relay_serve: bool = False,
+                       across_layouts: bool = False) -> TransferInfo:
         """Start a transfer of ``identity`` to the agent ``target_worker`` (PENDING).
 
         Not retried after the request may have reached the server (it would start a
@@ -427,7 +433,16 @@ class MxClient(ClosedOnCollect):
         relay = {**({"relay_read": True} if relay_read else {}),
                  **({"relay_serve": True} if relay_serve else {})}
 
+        if across_layouts:
+            if not isinstance(identity, ModelIdentity):
+                raise ValueError("across_layouts needs the target's ModelIdentity")
+            relay = {**relay, "layouts": "any", "identity": identity.to_dict()}
+
         def for_version(version: int) -> dict[str, Any]:
+            if across_layouts and version < 4:
+                raise ControlPlaneError(
+                    f"the control plane at {self.current_url} speaks API version {version}; "
+                    f"pulls across parallel layouts need version 4: upgrade the server")
             return {**body, **relay} if version >= 3 else body
 
         # Only a body that depends on the version asks the replica's version first

@@ -72,6 +72,20 @@ class ModelIdentity:
         blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
+    @property
+    def family(self) -> str:
+        """The id of these weights in any tensor- or pipeline-parallel layout: the
+        canonical fields without ``tp_size``, ``pp_size`` and ``rank``. Sources of one
+        family hold regions of the same checkpoint loaded the same way; a target pulls
+        across layouts from them when they publish their layouts
+        (:mod:`modelexpress.layout`)."""
+        data = self.canonical()
+        for key in ("tp_size", "pp_size", "rank"):
+            data.pop(key)
+        data["family"] = 1
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
     def to_dict(self) -> dict[str, Any]:
         """JSON form for the wire (includes the id for convenience)."""
         data = self.canonical()

@@ -69,7 +69,7 @@ VERDICTS = ("ok", "slow", "unknown")
 API_HEADER = "X-MX-API-Version"
 """The header that carries a request's (client's) or a response's (server's) API version."""
 
-API_VERSION = 4
+API_VERSION = 5
 """The control-plane API version this release speaks."""
 
 MIN_API_VERSION = 1
@@ -86,6 +86,9 @@ API_VERSIONS: dict[int, str] = {
     4: "origin leases (GET, POST /v1/identities/{id}/origin, .../renew): one target of a "
        "model no peer holds reads it from storage and serves it while it loads; a "
        "fleet-relay transfer may be planned behind that loading origin",
+    5: "a source publishes the layout of its loaded form (layout on PUT /v1/sources, "
+       "returned by GET /v1/sources/{id}); POST /v1/transfers with layouts=any and the "
+       "target's identity ranks sources of other parallel layouts too",
 }
 """What each API version added (the upgrade notes a version mismatch points at)."""
 
@@ -193,6 +196,10 @@ class SourceSummary(_Parse):
         (), description="UUIDs of the GPUs whose memory the source serves (GPU-...), as "
                         "nvidia-smi -L and CUDA_VISIBLE_DEVICES name them; empty for host "
                         "memory and for records of API version 1 publishers.")
+    layout_bytes: int = Field(
+        0, description="Size of the layout the source published (compact JSON; API "
+                       "version 4), 0 when it published none: it serves targets of its own "
+                       "parallel layout only.")
 
     @property
     def model_identity(self) -> ModelIdentity:
@@ -206,15 +213,19 @@ class SourceDetail(SourceSummary):
 
     manifest: dict[str, Any]
     agent_metadata: Base64Bytes
+    layout: dict[str, Any] | None = Field(
+        None, description="The layout of the loaded form (modelexpress.layout JSON; API "
+                          "version 4), null when the source published none.")
 
 
 @dataclass(frozen=True, config=_REPLY, kw_only=True)
 class SourceInfo(SourceSummary):
-    """A source as the client returns it. ``manifest`` and ``agent_metadata`` (bytes)
-    are set only by ``MxClient.get_source`` (lists leave them out)."""
+    """A source as the client returns it. ``manifest``, ``agent_metadata`` (bytes) and
+    ``layout`` are set only by ``MxClient.get_source`` (lists leave them out)."""
 
     manifest: dict[str, Any] | None = None
     agent_metadata: Base64Bytes | None = None
+    layout: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, config=_REPLY)
@@ -246,6 +257,10 @@ class TransferInfo(_Parse):
     outcome: TransferOutcome | None = Field(
         None, description="How it went, as the target reported in its finish (transport, "
                           "rate, verdict, seconds); null until then or when not reported.")
+    layouts: Literal["same", "any"] = Field(
+        "same", description="any: the candidates include READY sources of the same weights "
+                            "in other parallel layouts (after those of the identity itself), "
+                            "for a target that reads regions across layouts (API version 4).")
     relay_path: tuple[str, ...] = Field(
         (), description="Fleet relay: the holders the target reads from, chosen when an "
                         "agent that relays claimed it, or at creation for a pull that asked "

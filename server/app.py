@@ -355,7 +355,7 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
                                      endpoint=body.endpoint,
                                      agent_metadata=body.agent_metadata,
                                      manifest=body.manifest, state=SourceState(body.state),
-                                     devices=body.devices)
+                                     devices=body.devices, layout=body.layout)
         except ValidationError as exc:  # the only one publish raises: manifest too large
             return _json_error(413, str(exc))
 
@@ -434,7 +434,10 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
                                  source_id=body.source_id, policy=body.policy,
                                  run_by_target=body.run_by_target,
                                  relay_read=body.relay_read,
-                                 relay_serve=body.relay_serve)
+                                 relay_serve=body.relay_serve,
+                                 across_layouts=(body.identity.to_identity()
+                                                 if body.layouts == "any" and body.identity
+                                                 else None))
         wakeup.notify()
         return rec
 

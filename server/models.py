@@ -90,6 +90,11 @@ class SourcePublish(_Model):
     state: Literal[SourceState.INITIALIZING, SourceState.READY] = SourceState.READY
     devices: Annotated[list[GpuUuid], Field(max_length=64)] = Field(
         [], description="API version 2: UUIDs of the GPUs whose memory the source serves.")
+    layout: dict[str, Any] | None = Field(
+        None, description="API version 4: the layout of the served loaded form "
+                          "(modelexpress.layout JSON: which checkpoint region each tensor "
+                          "region holds, with block digests); stored as opaque JSON within "
+                          "the manifest's size limit.")
 
     @field_validator("agent_metadata")
     @classmethod
@@ -100,13 +105,13 @@ class SourcePublish(_Model):
             raise ValueError(f"agent_metadata is not valid base64: {exc}") from exc
         return value
 
-    @field_validator("manifest")
+    @field_validator("manifest", "layout")
     @classmethod
-    def _json(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _json(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         try:
             json.dumps(value, allow_nan=False)
         except (ValueError, RecursionError) as exc:  # NaN/Infinity or absurd nesting
-            raise ValueError(f"manifest is not storable JSON: {exc}") from exc
+            raise ValueError(f"not storable JSON: {exc}") from exc
         return value
 
 
@@ -137,6 +142,23 @@ class TransferCreate(_Model):
         False, description="With relay_read: the transfer is also a holder that later "
                            "transfers of the model may read from while it receives (a vLLM "
                            "engine's pull relays; the target serves it).")
+    layouts: Literal["same", "any"] = Field(
+        "same", description="API version 4. any: rank READY sources of the same weights in "
+                            "other parallel layouts too (after the identity's own), for a "
+                            "target that reads across layouts; needs identity.")
+    identity: IdentityIn | None = Field(
+        None, description="API version 4: the target's identity (its id must be "
+                          "identity_id); with layouts=any it names the weights in any "
+                          "layout.")
+
+    @model_validator(mode="after")
+    def _layouts(self) -> "TransferCreate":
+        if self.layouts == "any":
+            if self.identity is None:
+                raise ValueError("layouts=any needs the target's identity")
+            if self.identity.to_identity().id != self.identity_id:
+                raise ValueError("identity does not match identity_id")
+        return self
 
 
 class ProgressIn(_Model):

@@ -102,13 +102,18 @@ class ControlPlane:
 
     def publish_source(self, identity: ModelIdentity, worker_id: str, *, endpoint: str,
                        agent_metadata: str, manifest: dict[str, Any], state: SourceState,
-                       devices: Sequence[str] = ()) -> Record:
+                       devices: Sequence[str] = (), layout: dict[str, Any] | None = None
+                       ) -> Record:
         """Create or replace the source of ``worker_id`` for ``identity``.
 
         ``devices``: UUIDs of the GPUs the source serves from (API version 2 publishers).
+        ``layout``: the layout of its loaded form (API version 4 publishers), stored
+        beside the manifest; it makes the source a candidate for targets of other
+        parallel layouts (:meth:`rank_sources`).
 
         Raises:
-            ValidationError: the manifest is larger than ``max_manifest_bytes`` (413).
+            ValidationError: the manifest, or the layout, is larger than
+                ``max_manifest_bytes`` (413).
             ConflictError: the manifest serves other content than a READY source of the
                 same identity (``content.py``); the message names the first tensor that
                 differs. The publisher's previous record, if any, is left as it was.
@@ -117,6 +122,12 @@ class ControlPlane:
         if len(blob) > self.max_manifest_bytes:
             raise ValidationError(
                 f"manifest is {len(blob)} bytes as JSON; the limit is "
+                f"{self.max_manifest_bytes} (MX_SERVER_MAX_MANIFEST_BYTES)")
+        layout_bytes = (len(json.dumps(layout, separators=(",", ":"), allow_nan=False))
+                        if layout is not None else 0)
+        if layout_bytes > self.max_manifest_bytes:
+            raise ValidationError(
+                f"layout is {layout_bytes} bytes as JSON; the limit is "
                 f"{self.max_manifest_bytes} (MX_SERVER_MAX_MANIFEST_BYTES)")
         now = self.clock()
         sid = source_id_for(identity.id, worker_id)
@@ -129,10 +140,11 @@ class ControlPlane:
             "worker_id": worker_id, "endpoint": endpoint, "state": state.value,
             "created_at": old["created_at"] if old else now, "updated_at": now,
             "last_heartbeat": now, "manifest_bytes": len(blob), "fingerprint": fp,
-            "devices": list(devices),
+            "devices": list(devices), "family": identity.family, "layout_bytes": layout_bytes,
         }
         # Blob first: a reader that finds the summary must also find its manifest.
-        self.store.put("blobs", {"id": sid, "manifest": manifest, "agent_metadata": agent_metadata})
+        self.store.put("blobs", {"id": sid, "manifest": manifest, "agent_metadata": agent_metadata,
+                                 **({"layout": layout} if layout is not None else {})})
         self.store.put("sources", record)
         try:
             # Again after writing: two conflicting publishes racing (on two replicas)
@@ -229,7 +241,8 @@ class ControlPlane:
         src = self._effective(src, self.clock())
         if with_blob:
             blob = self.store.get("blobs", source_id) or {"manifest": {}, "agent_metadata": ""}
-            src = {**src, "manifest": blob["manifest"], "agent_metadata": blob["agent_metadata"]}
+            src = {**src, "manifest": blob["manifest"], "agent_metadata": blob["agent_metadata"],
+                   "layout": blob.get("layout")}
         return src
 
     def list_sources(self, *, model: str | None = None, revision: str | None = None,
@@ -265,13 +278,22 @@ class ControlPlane:
 
     # --- transfers -----------------------------------------------------------
     def rank_sources(self, identity_id: str, target_worker: str | None,
-                     policy: str | None = None) -> list[Record]:
+                     policy: str | None = None, *,
+                     across_layouts: ModelIdentity | None = None) -> list[Record]:
         """READY sources of ``identity_id`` in the order a target should try them.
 
         The one selection policy of the product: agents, library and CLI pulls and the
         vLLM loader all take this order. ``random`` shuffles; ``spread`` puts the sources
         with the fewest live transfers (PENDING, RUNNING, STOPPING; every kind of pull
         has a record) first, random among ties. The target's own sources are left out.
+
+        With ``across_layouts`` (the target's identity), READY sources of the same
+        weights in other parallel layouts that published a layout follow, a layout at a
+        time: layouts whose every rank is READY first, then fewer ranks first (fewer
+        sources to read), then by the policy (for ``spread``: the layout's fewest live
+        transfers); within a layout, ranks in order, each rank's sources by the policy.
+        A target reading across layouts takes each region from the first of these that
+        holds it (:mod:`modelexpress.layout.plan`).
 
         Raises:
             ValidationError: unknown policy.
@@ -281,14 +303,57 @@ class ControlPlane:
             raise ValidationError(f"unknown source policy {policy!r}; allowed: random, spread")
         ready = [s for s in self.list_sources(identity_id=identity_id, state=_S.READY)
                  if target_worker is None or s["worker_id"] != target_worker]
-        self._rng.shuffle(ready)
-        if policy == "spread":
-            load: dict[str, int] = {}
-            for t in self.store.list("transfers"):
-                if t["state"] in {s.value for s in LIVE}:
-                    load[t["source_id"]] = load.get(t["source_id"], 0) + 1
-            ready.sort(key=lambda s: load.get(s["id"], 0))  # stable: random among ties
-        return ready
+        load = self._live_load() if policy == "spread" else {}
+        ready = self._by_policy(ready, load)
+        if across_layouts is None:
+            return ready
+        return ready + self._other_layouts(across_layouts, target_worker, load)
+
+    def _live_load(self) -> dict[str, int]:
+        """Live transfers per source (what ``spread`` ranks by)."""
+        load: dict[str, int] = {}
+        for t in self.store.list("transfers"):
+            if t["state"] in {s.value for s in LIVE}:
+                load[t["source_id"]] = load.get(t["source_id"], 0) + 1
+        return load
+
+    def _by_policy(self, sources: list[Record], load: dict[str, int]) -> list[Record]:
+        """Shuffled; then, for ``spread`` (``load`` given), fewest live transfers first."""
+        sources = list(sources)
+        self._rng.shuffle(sources)
+        if load:
+            sources.sort(key=lambda s: load.get(s["id"], 0))  # stable: random among ties
+        return sources
+
+    def _other_layouts(self, identity: ModelIdentity, target_worker: str | None,
+                       load: dict[str, int]) -> list[Record]:
+        """READY sources of ``identity``'s weights in other layouts, a layout at a time
+        (see :meth:`rank_sources`)."""
+        family = identity.family
+        groups: dict[str, list[Record]] = {}
+        for s in self.list_sources(state=_S.READY):
+            if (s["identity_id"] == identity.id or not s.get("layout_bytes")
+                    or (target_worker is not None and s["worker_id"] == target_worker)):
+                continue
+            if (s.get("family") or ModelIdentity.from_dict(s["identity"]).family) != family:
+                continue
+            groups.setdefault(s["identity_id"], []).append(s)
+
+        def ranks(group: list[Record]) -> int:
+            ident = group[0]["identity"]
+            return int(ident["tp_size"]) * int(ident["pp_size"])
+
+        def complete(group: list[Record]) -> bool:
+            return {int(s["identity"]["rank"]) for s in group} == set(range(ranks(group)))
+
+        order = self._by_policy(list(groups.values()), {})
+        order.sort(key=lambda g: (not complete(g), ranks(g),
+                                  sum(load.get(s["id"], 0) for s in g)))
+        out: list[Record] = []
+        for group in order:
+            for s in sorted(self._by_policy(group, load), key=lambda s: s["identity"]["rank"]):
+                out.append(s)
+        return out
 
     def _pick_source(self, identity_id: str, target_worker: str, policy: str) -> Record:
         ranked = self.rank_sources(identity_id, target_worker, policy)
@@ -310,7 +375,8 @@ class ControlPlane:
     def create_transfer(self, identity_id: str, target_worker: str, *,
                         source_id: str | None = None, policy: str | None = None,
                         run_by_target: bool = False, relay_read: bool = False,
-                        relay_serve: bool = False) -> Record:
+                        relay_serve: bool = False,
+                        across_layouts: ModelIdentity | None = None) -> Record:
         """Start a transfer (PENDING) of ``identity_id`` to ``target_worker``.
 
         Args:
@@ -322,6 +388,8 @@ class ControlPlane:
                 pull process does not relay: ``relay`` stays false) unless
                 ``relay_serve``: then it is a holder as a relaying agent's claim is (a
                 vLLM engine's pull, which serves its destination while it receives).
+            across_layouts: the target's identity: the candidates include sources of
+                other parallel layouts (:meth:`rank_sources`); no relay is planned.
 
         Returns:
             The record; ``candidates`` lists the READY sources in the order to try
@@ -332,7 +400,8 @@ class ControlPlane:
             ConflictError: no READY source (or the named one is not READY / serves
                 another identity).
         """
-        ranked = self.rank_sources(identity_id, target_worker, policy)
+        ranked = self.rank_sources(identity_id, target_worker, policy,
+                                   across_layouts=across_layouts)
         loading = (self._loading_origin(identity_id, target_worker)
                    if run_by_target and relay_read and not ranked else None)
         if source_id is not None:
@@ -356,8 +425,9 @@ class ControlPlane:
             "created_at": now, "updated_at": now, "started_at": None, "finished_at": None,
             "run_by_target": run_by_target, "candidates": candidates, "outcome": None,
             "source_named": source_id is not None,  # the claim keeps a source asked for
+            "layouts": "any" if across_layouts is not None else "same",
         }
-        if run_by_target and relay_read and source_id is None:
+        if run_by_target and relay_read and source_id is None and across_layouts is None:
             # Born claimed, so planned now: the claim is the creation.
             with self._claim_lock:
                 record.update(self._plan_claim(record, {"relay": "1"}, holder=relay_serve))
