@@ -1,0 +1,316 @@
+"""Pull across parallel layouts: a target rank assembles its tensors from sources of
+another tensor-parallel layout.
+
+::
+
+    pull_across_layouts(identity, target layout, dest)
+      transfer record <- POST /v1/transfers layouts=any      the server ranks candidates:
+                                                             this identity's, then other
+                                                             layouts', a layout at a time
+      for each candidate: its manifest and layout            (no layout: passed over)
+      repeat (at most max_attempts plans):
+        plan <- plan_layout(target, candidates not dropped)  coverage checked, nothing moved
+        for each source the plan uses:                       a reader per source:
+          reader.read_copies(its copies)                       local transport or NIXL
+        failed checks / a failed read -> drop those sources, plan again
+      scatters + fills; SUCCEEDED
+      every byte checked (block digests), or NoSourceError and the caller loads from disk
+
+The destination is the target's loaded form (:func:`modelexpress.engines.vllm.tensors.
+collect_loaded_tensors`); regions no piece names keep what construction put there,
+as a load from disk leaves them. On failure the destination is garbage: the caller
+rebuilds (the vLLM loader does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from modelexpress.errors import (LayoutError, MxError, NoSourceError, TransferCancelledError,
+                                 TransferError, TransferTimeoutError)
+from modelexpress.layout import Layout, plan_layout
+from modelexpress.p2p.options import PullOptions
+from modelexpress.p2p.tracking import TransferTracker, outcome_of
+
+if TYPE_CHECKING:
+    import torch
+
+    from modelexpress.client import MxClient, SourceInfo
+    from modelexpress.identity import ModelIdentity
+    from modelexpress.layout.readers import LayoutReader
+    from modelexpress.transfer import Manifest, NixlTransferManager
+
+__all__ = ["LayoutSource", "pull_across_layouts", "layout_readers"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSource:
+    """A candidate of another layout: its record, manifest and layout."""
+
+    info: "SourceInfo"
+    manifest: "Manifest"
+    layout: Layout
+
+
+LayoutReaderFactory = Callable[[LayoutSource], "LayoutReader"]
+
+
+def layout_readers(opts: PullOptions, manager: Callable[[], "NixlTransferManager"],
+                   device: "torch.device", covering_below: int | None = None
+                   ) -> LayoutReaderFactory:
+    """The reader of each source: the local transport's for one on this host that
+    publishes a local endpoint (unless ``MX_IPC_DIR=off``), else NIXL (``manager()``
+    gives the pull's agent, made on first use)."""
+    from modelexpress.layout.readers import COVERING_BELOW, LocalLayoutReader, NixlLayoutReader
+    from modelexpress.local.reader import endpoint_of
+
+    here = None
+    if opts.local.enabled:
+        try:
+            here = opts.local.host_id
+        except MxError as exc:
+            log.warning("local transport off for this pull: %s", exc)
+
+    def factory(source: LayoutSource) -> "LayoutReader":
+        ep = endpoint_of(source.manifest)
+        if here is not None and ep is not None and ep.host_id == here:
+            return LocalLayoutReader(ep, source.manifest,
+                                     None if device.type == "cpu" else (device.index or 0))
+        if source.info.agent_metadata is None:
+            raise TransferError(f"source {source.info.id} publishes no NIXL agent")
+        return NixlLayoutReader(manager(), source.info.agent_metadata, source.manifest,
+                                same_host=source.manifest.host == socket.gethostname(),
+                                chunk_bytes=opts.chunk_bytes, stall_s=opts.stall_s or None,
+                                refuse_slow_transport=opts.refuse_slow_transport,
+                                covering_below=(COVERING_BELOW if covering_below is None
+                                                else covering_below))
+
+    return factory
+
+
+def pull_across_layouts(identity: "ModelIdentity", target: Layout,
+                        dest: Mapping[str, "torch.Tensor"], *, client: "MxClient",
+                        options: PullOptions | None = None,
+                        manager: "NixlTransferManager | None" = None,
+                        progress: Callable[[int, int], None] | None = None,
+                        stop: "threading.Event | None" = None,
+                        readers: LayoutReaderFactory | None = None,
+                        covering_below: int | None = None) -> Any:
+    """Fill ``dest`` (this rank's loaded form) from sources of other parallel layouts.
+
+    Args:
+        identity: this rank's identity (its family names the weights in any layout).
+        target: this rank's layout (:func:`modelexpress.engines.vllm.layout.derive_layout`).
+        dest: name -> tensor of the loaded form; every tensor the layout names.
+        client: control-plane client (API version 4).
+        options: as for :func:`~modelexpress.p2p.pull` (policy, attempts, deadline, stall,
+            chunk size, local transport, NIXL backend, worker id).
+        manager: a NIXL manager to read with (default: one is made when a source is
+            read over NIXL, and closed at the end).
+        progress: ``progress(bytes_done, bytes_total)``.
+        stop: set: stop at the next copy (TransferCancelledError).
+        readers: picks each source's reader (default :func:`layout_readers`).
+        covering_below: see :class:`~modelexpress.layout.readers.NixlLayoutReader`.
+
+    Returns:
+        A :class:`~modelexpress.p2p.PullResult` (``digests`` empty: the checks were of
+        checkpoint blocks; ``source_attributes`` of every source read).
+
+    Raises:
+        NoSourceError: no candidate of another layout, no plan covers the target, or
+            every plan failed (the message lists why each source was dropped).
+        TransferCancelledError: ``stop``, or a stop through the control plane.
+        TransferTimeoutError: ``options.timeout_s`` ran out.
+        ControlPlaneError: the server is older than API version 4.
+    """
+    import torch
+
+    from modelexpress.layout.readers import allocate_scratch, check_blocks, finish
+    from modelexpress.p2p.source import default_worker_id
+    from modelexpress.p2p.target import PullResult
+
+    opts = options or PullOptions()
+    t_start = time.perf_counter()
+    end = time.monotonic() + opts.timeout_s
+    worker = opts.worker_id or default_worker_id("pull")
+    record = client.start_transfer(identity, worker, policy=opts.policy,  # type: ignore[arg-type]
+                                   run_by_target=True, across_layouts=True)
+    tracker = TransferTracker(client, record.id, interval_s=opts.progress_interval_s,
+                              source_id=record.source_id, run_by_target=True)
+    control_s = time.perf_counter() - t_start
+    skipped: list[SkippedSource] = []
+    own_manager = None
+    device = next(iter(dest.values())).device if dest else torch.device(opts.device)
+
+    def nixl() -> "NixlTransferManager":
+        nonlocal own_manager
+        if manager is not None:
+            return manager
+        if own_manager is None:
+            from modelexpress.p2p.readers import AgentStart
+
+            own_manager = AgentStart(opts.backend, None if device.type == "cpu" else device)
+        return own_manager.get()
+
+    factory = readers or layout_readers(opts, nixl, device, covering_below)
+    stopped = (lambda: bool(stop is not None and stop.is_set())
+               or tracker.stop_requested.is_set())
+    try:
+        t0 = time.perf_counter()
+        candidates = _fetch(client, record.candidates, identity, skipped)
+        control_s += time.perf_counter() - t0
+        dropped: set[str] = set()
+        for attempt in range(1, opts.max_attempts + 1):
+            usable = [(c.info.id, c.layout) for c in candidates if c.info.id not in dropped]
+            try:
+                plan = plan_layout(target, usable)
+            except LayoutError as exc:
+                raise NoSourceError(_message(identity, f"no plan covers this rank: {exc}",
+                                             skipped)) from exc
+            by_id = {c.info.id: c for c in candidates}
+            total = plan.read_bytes
+            buffers = {**dest, **allocate_scratch(plan, device)}
+            log.info("cross-layout pull of %s rank %d/%d (attempt %d): %d bytes in %d copies "
+                     "from %d source(s) of other layouts (%d bytes this rank holds)",
+                     identity.model, target.rank, target.tp_size, attempt, total,
+                     len(plan.copies), len(plan.sources), plan.needed_bytes)
+            tracker.report(0, total, force=True)
+            tracker.begin()
+            done_before = 0
+            results: dict[str, Any] = {}
+            failed: set[str] = set()
+            t_data = time.perf_counter()
+            for key, copies in plan.by_source().items():
+                source = by_id[key]
+                tracker.reading = key
+
+                def report(done: int, base: int = done_before) -> None:
+                    if progress is not None:
+                        progress(base + done, total)
+                    tracker.report(base + done, total)
+
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(
+                        f"cross-layout pull deadline of {opts.timeout_s:.0f} s ran out")
+                try:
+                    results[key] = factory(source).read_copies(
+                        copies, buffers, progress=report, stop=stopped, deadline_s=left)
+                except TransferCancelledError:
+                    raise
+                except (TransferError, MxError) as exc:
+                    if isinstance(exc, NoSourceError):
+                        raise
+                    failed.add(key)
+                    skipped.append(_skip(source.info, f"{type(exc).__name__}: {exc}"))
+                    break
+                done_before += sum(c.nbytes for c in copies)
+            data_s = time.perf_counter() - t_data
+            if failed:
+                dropped |= failed
+                continue
+            t_verify = time.perf_counter()
+            bad = check_blocks(plan.checks, buffers, plan.algorithm)
+            verify_s = time.perf_counter() - t_verify
+            if bad:
+                blamed = {s for check in bad for s in check.sources}
+                for key in blamed:
+                    first = next(c for c in bad if key in c.sources)
+                    skipped.append(_skip(by_id[key].info, (
+                        f"{sum(key in c.sources for c in bad)} block(s) it supplied do not "
+                        f"match the checkpoint digests it published (first: block "
+                        f"{first.block} of {first.ckpt}): its layout disagrees with its "
+                        f"bytes, or a byte went wrong on the way")))
+                dropped |= blamed
+                continue
+            finish(plan, buffers)
+            result = _result(plan, results, by_id, skipped, record.id, data_s, verify_s,
+                             control_s, t_start, PullResult)
+            tracker.report(result.bytes, result.bytes, force=True, rate_bps=result.gbps * 1e9)
+            tracker.finish("SUCCEEDED", done=result.bytes, outcome=outcome_of(result))
+            log.info("pulled %s rank %d/%d across layouts: %d bytes from %s in %.3f s "
+                     "(%.2f GB/s, %s; %d blocks verified in %.3f s; the pull took %.3f s)",
+                     identity.model, target.rank, target.tp_size, result.bytes,
+                     ",".join(result.source_ids), result.seconds, result.gbps,
+                     result.transport, len(plan.checks), verify_s, result.total_seconds)
+            return result
+        raise NoSourceError(_message(identity, f"{opts.max_attempts} plan(s) failed", skipped))
+    except TransferCancelledError:
+        tracker.finish("STOPPED", done=tracker.done)
+        raise
+    except BaseException as exc:
+        tracker.finish("FAILED", error=f"{type(exc).__name__}: {exc}"[:8000], done=tracker.done)
+        raise
+    finally:
+        if own_manager is not None:
+            own_manager.close()
+
+
+def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
+           skipped: list) -> list[LayoutSource]:
+    """The candidates of other layouts with their manifests and layouts; those of this
+    very identity are for :func:`~modelexpress.p2p.pull` (tried before this)."""
+    from modelexpress.p2p.target import SkippedSource, manifest_of
+
+    out = []
+    for source_id in ids:
+        try:
+            info = client.get_source(source_id)
+        except MxError as exc:
+            skipped.append(SkippedSource(source_id, "?", f"could not fetch it: {exc}"))
+            continue
+        if info.identity_id == identity.id:
+            continue
+        if info.layout is None:
+            skipped.append(_skip(info, "it published no layout"))
+            continue
+        try:
+            out.append(LayoutSource(info, manifest_of(info), Layout.from_json(info.layout)))
+        except (LayoutError, MxError) as exc:
+            skipped.append(_skip(info, f"unusable layout or manifest: {exc}"))
+    return out
+
+
+def _skip(info: "SourceInfo", reason: str) -> Any:
+    from modelexpress.p2p.target import SkippedSource
+
+    log.warning("cross-layout source %s (worker %s) dropped: %s", info.id, info.worker_id,
+                reason)
+    return SkippedSource(info.id, info.worker_id, reason)
+
+
+def _message(identity: "ModelIdentity", why: str, skipped: Sequence[Any]) -> str:
+    tried = "; ".join(f"{s.source_id} ({s.worker_id}): {s.reason}" for s in skipped)
+    return (f"no pull across layouts for {identity.model} rank {identity.rank} of tp="
+            f"{identity.tp_size}: {why}" + (f"; dropped: {tried}" if tried else ""))
+
+
+def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s, control_s,  # noqa: ANN001, ANN202
+            t_start, PullResult):  # noqa: N803
+    nbytes = sum(r.bytes for r in results.values())
+    seconds = max(data_s, 1e-9)
+    transports = sorted({r.transport for r in results.values()})
+    total_s = time.perf_counter() - t_start
+    return PullResult(
+        source_ids=tuple(results), bytes=nbytes, seconds=seconds, gbps=nbytes / seconds / 1e9,
+        transport=",".join(transports) or "none",
+        descriptors=sum(r.descriptors for r in results.values()),
+        tensors=len({c.dst for c in plan.copies if not c.dst.startswith("#")}),
+        verified=True, skipped=tuple(skipped), warnings=(), total_seconds=total_s,
+        verify_seconds=verify_s,
+        connect_seconds=max((r.connect_seconds for r in results.values()), default=0.0),
+        source_attributes={k: dict(by_id[k].manifest.attributes) for k in results},
+        transfer_id=transfer_id, expected_transport="", transport_detail="; ".join(
+            r.detail for r in results.values() if r.detail),
+        phases={"control_plane": round(control_s, 6), "data_plane": round(data_s, 6),
+                "verify": round(verify_s, 6),
+                "other": round(max(total_s - control_s - data_s - verify_s, 0.0), 6)},
+        verdict="ok" if transports == ["local"] else "unknown")
