@@ -330,14 +330,15 @@ class ControlPlane:
         """READY sources of ``identity``'s weights in other layouts, a layout at a time
         (see :meth:`rank_sources`)."""
         family = identity.family
-        groups: dict[str, list[Record]] = {}
+        groups: dict[tuple[int, int], list[Record]] = {}
         for s in self.list_sources(state=_S.READY):
             if (s["identity_id"] == identity.id or not s.get("layout_bytes")
                     or (target_worker is not None and s["worker_id"] == target_worker)):
                 continue
             if (s.get("family") or ModelIdentity.from_dict(s["identity"]).family) != family:
                 continue
-            groups.setdefault(s["identity_id"], []).append(s)
+            ident = s["identity"]  # one layout: its ranks are identities of their own
+            groups.setdefault((ident["tp_size"], ident["pp_size"]), []).append(s)
 
         def ranks(group: list[Record]) -> int:
             ident = group[0]["identity"]
