@@ -10,8 +10,8 @@ embeddings and LM heads narrow the vocabulary and zero the padding). Rather than
 restating those rules per model, :func:`derive_layout` runs that code:
 
 1. it builds the model a second time on the ``meta`` device (shapes and strides, no
-   memory), for this rank, with the construction's side effects on vLLM's config
-   undone afterwards (:class:`LayerRegistrations`);
+   memory), for this rank, with what the real model registered in vLLM's config set
+   aside meanwhile and the meta model's registrations dropped afterwards;
 2. it feeds ``load_weights`` one meta tensor per checkpoint tensor, of the
    checkpoint's shape and dtype (from the safetensors headers, or from a source's
    published layout on a target that has no checkpoint);
@@ -32,14 +32,8 @@ Models refused up front: quantized ones (packed formats, scales, per-group shape
 and those with expert layers (MoE; with expert parallelism their experts also move
 between ranks).
 
-Block digests (:class:`BlockHasher`): a source that loads from disk hashes each
-checkpoint tensor's blocks as vLLM's disk loader streams them (before any layout
-applies them), so the digests are of the checkpoint, and a layout that disagrees
-with the bytes is caught by whoever reads through it.
-
-The checkpoint's table comes from the safetensors headers (:func:`checkpoint_table`);
-the hasher checks it against what the loader actually streamed and the layout is
-re-derived in that order if they differ.
+The checkpoint's table (names, shapes, dtypes) and the block digests a source
+publishes are :mod:`.layout_blocks`'s.
 
 This module imports vLLM inside its functions.
 """
@@ -48,13 +42,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
-import pathlib
-import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,25 +53,19 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from modelexpress.errors import LayoutUnavailableError, MxError
-from modelexpress.layout import (BlockTable, Box, CheckpointTensor, Fill, Layout, Piece,
-                                 block_box, blocks_in, box_contains, box_intersect,
-                                 grid_units, translate)
+from modelexpress.layout import (Box, CheckpointTensor, Fill, Layout, Piece, box_contains,
+                                 box_intersect, translate)
 
 from modelexpress.engines.vllm.tensors import collect_loaded_tensors
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
 
-__all__ = ["BlockHasher", "LayerRegistrations", "LayoutUnavailable", "checkpoint_table",
-           "block_algorithm", "derive_layout", "refusal", "simulated_tensor_parallel"]
+__all__ = ["LayoutUnavailable", "derive_layout", "refusal", "simulated_tensor_parallel"]
 
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16",
-                       "BF16": "bfloat16", "I64": "int64", "I32": "int32", "I16": "int16",
-                       "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-                       "F8_E5M2": "float8_e5m2"}
 # Ops that only look at a placeholder's slicing (recorded: they name the dimensions a
 # loader shards, which the block grid follows).
 _SLICING = {_aten.slice.Tensor: 1, _aten.narrow.default: 1, _aten.select.int: 1,
@@ -142,94 +127,30 @@ def simulated_tensor_parallel(tp_size: int, rank: int) -> Iterator[None]:
             setattr(ps, n, value)
 
 
-class LayerRegistrations:
-    """What model construction registered in the vLLM config, to undo it for a rebuild.
+@contextlib.contextmanager
+def _registrations_set_aside(vllm_config: "VllmConfig") -> Iterator[None]:
+    """Build a second model beside the real one: what construction registers in the vLLM
+    config is set aside for the duration and restored after.
 
     vLLM's attention, Mamba and MoE layers register themselves by name in
     ``compilation_config.static_forward_context`` (MoE also in
     ``static_all_moe_layers``) and refuse a second layer of the same name ("Duplicate
-    layer name"). A discarded model's entries would also keep it alive. So a second
-    construction (the loader's rebuild after a failed pull, the meta model a layout is
-    derived on) snapshots both before and, after, drops what was added.
+    layer name"); the meta model's entries must also not outlive it (they would keep
+    it alive, and the engine would find them).
     """
-
-    def __init__(self, vllm_config: "VllmConfig") -> None:
-        self._compilation = vllm_config.compilation_config
-        self._context_keys = set(self._compilation.static_forward_context)
-        self._moe_count = len(getattr(self._compilation, "static_all_moe_layers", ()))
-
-    def forget_since_snapshot(self) -> None:
-        context = self._compilation.static_forward_context
-        for name in [k for k in context if k not in self._context_keys]:
-            del context[name]
-        moe = getattr(self._compilation, "static_all_moe_layers", None)
+    compilation = vllm_config.compilation_config
+    context = compilation.static_forward_context
+    moe = getattr(compilation, "static_all_moe_layers", None)
+    saved_context = dict(context)
+    saved_moe = list(moe) if moe is not None else None
+    context.clear()
+    try:
+        yield
+    finally:
+        context.clear()
+        context.update(saved_context)
         if moe is not None:
-            del moe[self._moe_count:]
-
-
-# --- the checkpoint ------------------------------------------------------------------------
-def checkpoint_table(model_dir: str | pathlib.Path) -> tuple[CheckpointTensor, ...]:
-    """Names, shapes and dtypes of a safetensors checkpoint, from the file headers only.
-
-    The files are those of ``model.safetensors.index.json`` when there is one (as
-    vLLM filters duplicates), else every ``*.safetensors``; sorted by name, tensors in
-    header order sorted by name (what vLLM's safetensors iterator yields; the
-    :class:`BlockHasher` checks it against what was streamed).
-
-    Raises:
-        LayoutUnavailable: no safetensors files, or a header that cannot be read.
-    """
-    folder = pathlib.Path(model_dir)
-    if not folder.is_dir():
-        folder = _snapshot_dir(str(model_dir))
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError) as exc:
-            raise LayoutUnavailable(f"cannot read {index}: {exc}") from exc
-        files = [folder / n for n in names]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise LayoutUnavailable(f"no safetensors files in {folder}")
-    out: list[CheckpointTensor] = []
-    for path in files:
-        for name, (shape, dtype) in sorted(_safetensors_header(path).items()):
-            out.append(CheckpointTensor(name, shape, dtype))
-    return tuple(out)
-
-
-def _snapshot_dir(model: str) -> pathlib.Path:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return pathlib.Path(snapshot_download(model, local_files_only=True,
-                                              allow_patterns=["*.json", "*.safetensors"]))
-    except Exception as exc:  # noqa: BLE001 - any hub failure: no local checkpoint
-        raise LayoutUnavailable(f"{model} is not a local directory nor in the local "
-                                f"Hugging Face cache ({type(exc).__name__}: {exc})") from exc
-
-
-def _safetensors_header(path: pathlib.Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > 100 << 20:
-                raise ValueError(f"header of {size} bytes")
-            header = json.loads(f.read(size))
-    except (OSError, ValueError, struct.error) as exc:
-        raise LayoutUnavailable(f"cannot read the safetensors header of {path}: {exc}") from exc
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise LayoutUnavailable(f"{path.name}: tensor {name!r} has dtype "
-                                    f"{entry.get('dtype')!r}, which layouts do not cover")
-        out[name] = (tuple(int(x) for x in entry["shape"]), dtype)
-    return out
+            moe[:] = saved_moe
 
 
 # --- refusals --------------------------------------------------------------------------------
@@ -249,6 +170,15 @@ def refusal(model: nn.Module, model_config: "ModelConfig") -> str | None:
         method = getattr(module, "quant_method", None)
         if method is not None and not type(method).__name__.startswith("Unquantized"):
             return f"{name} is quantized ({type(method).__name__})"
+    return None
+
+
+def _config_refusal(model_config: "ModelConfig") -> str | None:
+    if model_config.quantization:
+        return f"the model is quantized ({model_config.quantization})"
+    experts = getattr(model_config, "get_num_experts", lambda: 0)()
+    if experts:
+        return f"the model has expert layers (MoE, {experts} experts per layer)"
     return None
 
 
@@ -482,23 +412,22 @@ def derive_layout(vllm_config: "VllmConfig", model_config: "ModelConfig",
     from modelexpress.engines.vllm.identity import vllm_ranks
 
     t0 = time.perf_counter()
-    registrations = LayerRegistrations(vllm_config)
-    try:
-        with set_current_vllm_config(vllm_config), \
-                set_default_torch_dtype(model_config.dtype), torch.device("meta"):
-            try:
-                model = _compat.create_model(loader, vllm_config, model_config)
-            except LayoutUnavailable:
-                raise
-            except Exception as exc:  # noqa: BLE001 - any failure: no layout, one line
-                raise LayoutUnavailable(f"building the model on the meta device failed "
-                                        f"({type(exc).__name__}: {exc})") from exc
-            why = refusal(model, model_config)
-            if why is not None:
-                raise LayoutUnavailable(why)
-            layout, sliced = _record(model, checkpoint)
-    finally:
-        registrations.forget_since_snapshot()
+    with _registrations_set_aside(vllm_config), set_current_vllm_config(vllm_config), \
+            set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+        try:
+            model = _compat.create_model(loader, vllm_config, model_config)
+        except LayoutUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure: no layout, one line
+            # (an expert model's layers ask for the expert-parallel group while they are
+            # built: say what the model is rather than what failed)
+            raise LayoutUnavailable(_config_refusal(model_config) or (
+                f"building the model on the meta device failed ({type(exc).__name__}: "
+                f"{exc})")) from exc
+        why = refusal(model, model_config)
+        if why is not None:
+            raise LayoutUnavailable(why)
+        layout, sliced = _record(model, checkpoint)
     if tp_size is None or rank is None:
         tp_rank, _, _ = vllm_ranks()
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -540,6 +469,11 @@ def _record(model: nn.Module, checkpoint: Sequence[CheckpointTensor]
         raise LayoutUnavailable(f"a loader replaced parameter {moved or '?'} instead of "
                                 "writing into it")
     writes = _final_writes(recorder.writes)
+    if not any(w.ckpt for w in writes):
+        # (a model whose load_weights writes nothing through a loader would otherwise
+        # "pull" nothing and serve what construction left)
+        raise LayoutUnavailable("the model's load_weights wrote no checkpoint region into "
+                                "any parameter")
     dtypes = {name: str(t.dtype).removeprefix("torch.") for name, t in loaded.items()}
     shapes = {name: tuple(t.shape) for name, t in loaded.items()}
     used = sorted({w.tensor for w in writes}, key=list(loaded).index)
@@ -569,103 +503,3 @@ def _final_writes(writes: Sequence[_Write]) -> list[_Write]:
                                         f"({old.dst} then {w.dst})")
         out = kept + [w]
     return out
-
-
-# --- block digests ----------------------------------------------------------------------------
-def block_algorithm(device: torch.device) -> str:
-    """The block digest algorithm of a device kind: ``wsum-i32-v1`` on a GPU (computed
-    where the blocks are, bit-identical everywhere), ``xxh3-128`` on the CPU."""
-    from modelexpress.transfer import digest as _digest
-
-    if device.type != "cpu":
-        return _digest.WSUM
-    return _digest.XXH3 if _digest.can_compute(_digest.XXH3, torch.empty(0)) else _digest.BLAKE2B
-
-
-class BlockHasher:
-    """Hashes checkpoint blocks as vLLM's disk loader streams the checkpoint.
-
-    Wrap the loader's weight iterator with :meth:`wrap`; afterwards :meth:`table`
-    gives the :class:`~modelexpress.layout.BlockTable` of the blocks ``layout``'s
-    pieces touch, hashed in the dtype the loaded tensors hold them in, on ``device``.
-
-    Args:
-        layout: this rank's layout (from the checkpoint's headers).
-        sliced: the dimensions the loaders slice (:func:`derive_layout`).
-        device: where to hash (the load device).
-    """
-
-    def __init__(self, layout: Layout, sliced: Mapping[str, set[int]],
-                 device: torch.device) -> None:
-        self.layout = layout
-        self.device = device
-        self.algorithm = block_algorithm(device)
-        ckpt = layout.checkpoint_by_name()
-        self.units: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, str] = {}
-        self.wanted: dict[str, set[int]] = {}
-        self.problem: str | None = None
-        for p in layout.pieces:
-            shape = ckpt[p.ckpt].shape
-            units = self.units.setdefault(p.ckpt, grid_units(shape, sliced.get(p.ckpt, ())))
-            dtype = layout.tensors[p.tensor][1]
-            if self.dtypes.setdefault(p.ckpt, dtype) != dtype:
-                self.problem = (f"checkpoint tensor {p.ckpt} is loaded in two dtypes "
-                                f"({self.dtypes[p.ckpt]} and {dtype})")
-            self.wanted.setdefault(p.ckpt, set()).update(blocks_in(p.src, shape, units))
-        self.digests: dict[str, dict[int, str]] = {}
-        self.streamed: list[CheckpointTensor] = []
-        self.seconds = 0.0
-
-    def wrap(self, weights: Iterable[tuple[str, torch.Tensor]]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``weights`` unchanged, hashing the blocks of each on the way."""
-        for name, tensor in weights:
-            t0 = time.perf_counter()
-            self.streamed.append(CheckpointTensor(name, tuple(tensor.shape),
-                                                  str(tensor.dtype).removeprefix("torch.")))
-            if name in self.wanted and self.problem is None:
-                try:
-                    self._hash(name, tensor)
-                except Exception as exc:  # noqa: BLE001 - the load goes on without them
-                    self.problem = f"hashing {name} failed ({type(exc).__name__}: {exc})"
-            self.seconds += time.perf_counter() - t0
-            yield name, tensor
-
-    def _hash(self, name: str, tensor: torch.Tensor) -> None:
-        from modelexpress.transfer import digest as _digest
-
-        dtype = getattr(torch, self.dtypes[name])
-        data = tensor.detach().to(device=self.device, dtype=dtype)
-        shape, units = tuple(data.shape), self.units[name]
-        indices = sorted(self.wanted[name])
-        views = [data[tuple(slice(s, s + n) for s, n in block_box(i, shape, units))]
-                 for i in indices]
-        self.digests[name] = dict(zip(indices, _digest.digest_many(views, self.algorithm)))
-
-    def table(self) -> BlockTable:
-        """The digests of the blocks streamed so far.
-
-        Raises:
-            LayoutUnavailable: the stream did not match the layout's checkpoint (other
-                tensors, shapes or dtypes), a tensor it needs did not stream, or hashing
-                failed.
-        """
-        if self.problem is not None:
-            raise LayoutUnavailable(self.problem)
-        expected = {c.name: c for c in self.layout.checkpoint}
-        streamed = {c.name: c for c in self.streamed}
-        differs = next((n for n in expected if streamed.get(n) != expected[n]), None)
-        if differs is not None or set(streamed) != set(expected):
-            name = differs or next(iter(set(streamed) ^ set(expected)))
-            raise LayoutUnavailable(f"the checkpoint the loader streamed differs from its "
-                                    f"headers at {name!r}")
-        missing = next((n for n in self.wanted if n not in self.digests), None)
-        if missing is not None:
-            raise LayoutUnavailable(f"checkpoint tensor {missing!r} was not streamed")
-        return BlockTable(algorithm=self.algorithm, units=dict(self.units),
-                          dtypes=dict(self.dtypes), digests=self.digests)
-
-    def streamed_order(self) -> tuple[CheckpointTensor, ...]:
-        """The checkpoint as the loader streamed it."""
-        return tuple(self.streamed)

@@ -40,8 +40,8 @@ def load_rank(model_dir: pathlib.Path, tp: int, rank: int, *, fill: bool = True,
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from modelexpress.engines.vllm.compat import create_model
-    from modelexpress.engines.vllm.layout import (BlockHasher, checkpoint_table,
-                                                  derive_layout, simulated_tensor_parallel)
+    from modelexpress.engines.vllm.layout import derive_layout, simulated_tensor_parallel
+    from modelexpress.engines.vllm.layout_blocks import BlockHasher, checkpoint_table
     from modelexpress.engines.vllm.tensors import collect_loaded_tensors
 
     vc = vllm_config(model_dir, tp, dtype)
