@@ -14,13 +14,15 @@ take the same path:
         model <- create_model()                            # vLLM's own construction
         if a READY source has this identity:                # target
           pull(identity, the model's parameters and buffers)  # the LOADED form
+        else if sources of another TP layout cover this rank: # target, across layouts
+          pull_across_layouts(this rank's layout, ...)        # layout_step.py
         else / after a failure:                             # disk
-          fallback loader (vLLM's default) .load_weights
+          fallback loader (vLLM's default) .load_weights    # + block digests (layout_step)
         loaded <- views of the parameters and buffers       # kept only to serve them
         process_weights_after_loading                       # vLLM's own, on every rank
         probe <- the model's output on a fixed input        # probe.py
         target: probe != the source's -> log, count, re-create, load from disk
-      serve_source(identity, loaded, probe)                 # source (and fan-out target)
+      serve_source(identity, loaded, probe, layout)         # source (and fan-out target)
 
 Why peers exchange the loaded form (what ``load_weights`` produces) and not the
 post-processed one: post-processing may keep what the forward pass reads where no
@@ -71,6 +73,7 @@ from modelexpress.engines.vllm import compat as _compat
 from modelexpress.engines.vllm import probe as _probe
 from modelexpress.engines.vllm.artifacts import ArtifactStep
 from modelexpress.engines.vllm.identity import identity_from_vllm
+from modelexpress.engines.vllm.layout_step import LayoutStep
 from modelexpress.engines.vllm.options import LoaderOptions, split_extra_config
 from modelexpress.engines.vllm.tensors import collect_loaded_tensors
 
@@ -175,6 +178,7 @@ class MxModelLoader(BaseModelLoader):
         self._fallback = get_model_loader(self._fallback_config)
         self.last_report: LoadReport | None = None
         self._nixl: AgentStart | None = None
+        self._layouts: LayoutStep | None = None
 
     # --- BaseModelLoader ----------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -232,6 +236,9 @@ class MxModelLoader(BaseModelLoader):
             # The arena (if any) outlives this block: the weights live in it, and a
             # source registers its range as one NIXL region.
             report.vmm_arena = arena is not None
+            # This rank's layout, on a meta model built before the real one.
+            self._layouts = LayoutStep(self.options.cross_layout, vllm_config, model_config,
+                                       self, device)
             model, loaded = self._load(vllm_config, model_config, prefix, device, report)
         if arena is not None:
             # The weights live in the arena's chunks: it lives as long as the model.
@@ -294,6 +301,14 @@ class MxModelLoader(BaseModelLoader):
             loaded = self._try_pull(model, model_config, device, report, attempt)
             if loaded is not None:
                 return model, loaded
+            if self._layouts.eligible:
+                if attempt.touched:
+                    model = self._recreate(model, vllm_config, model_config, prefix, device,
+                                           report, registrations)
+                    attempt.touched = False
+                loaded = self._try_across_layouts(model, model_config, device, report, attempt)
+                if loaded is not None:
+                    return model, loaded
             if self.options.model_storage:
                 loaded = self._try_zero(model, model_config, device, report, attempt)
                 if loaded is not None:
@@ -302,25 +317,14 @@ class MxModelLoader(BaseModelLoader):
                 # The failed attempt wrote into the model (part of a pull, or a whole pull
                 # that the probe rejected, then post-processed); the disk loader needs a
                 # fresh one. Drop the old one first so the device never holds two.
-                logger.info("modelexpress: re-creating %s for the %s loader: the failed "
-                            "pull attempt had written into it", model_config.model,
-                            self.options.fallback_load_format)
-                registrations.forget_since_snapshot()
-                if self._nixl is not None:
-                    # It registered the discarded model's memory; serving makes its own.
-                    self._nixl.close()
-                    self._nixl = None
-                del model
-                _release_cached_memory()
-                t0 = time.perf_counter()
-                model = self._create(vllm_config, model_config, prefix, device)
-                report.phases["model"] += time.perf_counter() - t0
-                report.recreated = True
+                model = self._recreate(model, vllm_config, model_config, prefix, device,
+                                       report, registrations)
         logger.info("modelexpress: loading %s from disk with the %s loader (%s)",
                     model_config.model, self.options.fallback_load_format,
                     report.fallback_reason)
         t0 = time.perf_counter()
-        self._fallback.load_weights(model, model_config)
+        with self._layouts.hashing(self._fallback):
+            self._fallback.load_weights(model, model_config)
         report.weights_seconds = time.perf_counter() - t0
         serve = self.options.serve and not online
         loaded = self._finish(model, model_config, device, report, keep=serve,
@@ -328,6 +332,75 @@ class MxModelLoader(BaseModelLoader):
         if online and self.options.serve:
             loaded.unservable = report.fallback_reason
         return model, loaded
+
+    def _recreate(self, model: nn.Module, vllm_config: VllmConfig, model_config: ModelConfig,
+                  prefix: str, device: torch.device, report: LoadReport,
+                  registrations: "_LayerRegistrations") -> nn.Module:
+        """A fresh model for the next path: the failed attempt wrote into this one (part
+        of a pull, or a whole pull that the probe rejected, then post-processed). The old
+        one goes first so the device never holds two."""
+        logger.info("modelexpress: re-creating %s: the failed pull attempt had written into "
+                    "it", model_config.model)
+        registrations.forget_since_snapshot()
+        if self._nixl is not None:
+            # It registered the discarded model's memory; serving makes its own.
+            self._nixl.close()
+            self._nixl = None
+        del model
+        _release_cached_memory()
+        t0 = time.perf_counter()
+        model = self._create(vllm_config, model_config, prefix, device)
+        report.phases["model"] += time.perf_counter() - t0
+        report.recreated = True
+        return model
+
+    def _try_across_layouts(self, model: nn.Module, model_config: ModelConfig,
+                            device: torch.device, report: LoadReport,
+                            attempt: "_PullAttempt") -> _Loaded | None:
+        """Pull this rank's regions from sources of other tensor-parallel layouts and
+        post-process; None (reason added to ``report``) when none covers it or it failed.
+
+        The behavioural probe compares only processes of one layout (a sharded layer's
+        output differs by layout), so it is not compared here: every block of the
+        loaded form was checked against the checkpoint's digests instead, and vLLM's own
+        post-processing runs on it as after a disk load. This rank publishes its probe
+        for the targets of its layout that pull from it later.
+        """
+        identity = report.identity
+        try:
+            with self._client() as client:
+                tensors = collect_loaded_tensors(model)
+                attempt.touched = True
+                t0 = time.perf_counter()
+                result = self._layouts.pull(identity, tensors, client=client,
+                                            options=self.options.pull_options,
+                                            manager=self._manager(create=False))
+                report.weights_seconds = time.perf_counter() - t0
+                report.pull_result = result
+                loaded = self._finish(model, model_config, device, report,
+                                      keep=self.options.serve_after_pull,
+                                      probe=self.options.probe, tensors=tensors)
+        except Exception as exc:  # noqa: BLE001 - any failure falls back; ours say why
+            why = f"{type(exc).__name__}: {exc}"
+            report.fallback_reason = f"{report.fallback_reason}; across layouts: {why}"
+            quiet = getattr(exc, "nothing_tried", False)
+            if quiet:
+                attempt.touched = False  # nothing was written: no rebuild for the disk
+            (logger.info if quiet else logger.warning)(
+                "modelexpress: no pull of %s rank %d across layouts: %s", model_config.model,
+                identity.rank, why, exc_info=not isinstance(exc, MxError))
+            return None
+        report.source = "peer"
+        report.fallback_reason = None
+        report.probe = _probe.ProbeVerdict(
+            "incomparable", "pulled across parallel layouts: probes compare processes of one "
+            "layout; every block was checked against the checkpoint's digests")
+        logger.info("modelexpress: pulled %s rank %d across layouts from %s: %d bytes in "
+                    "%.3f s (%.2f GB/s, %s, blocks verified); the pull took %.3f s",
+                    model_config.model, identity.rank, ",".join(result.source_ids),
+                    result.bytes, result.seconds, result.gbps, result.transport,
+                    result.total_seconds)
+        return loaded
 
     def _try_pull(self, model: nn.Module, model_config: ModelConfig, device: torch.device,
                   report: LoadReport, attempt: "_PullAttempt") -> _Loaded | None:
@@ -359,6 +432,8 @@ class MxModelLoader(BaseModelLoader):
                                       verified=(result.digest_algorithm, result.digests))
                 if self.options.probe:
                     self._check_probe(loaded, result, report)
+                if result.source_ids:
+                    self._layouts.adopt(client, result.source_ids[0])
         except MxError as exc:
             report.fallback_reason = f"pull failed: {type(exc).__name__}: {exc}"
             logger.warning("modelexpress: pull of %s (identity %s) failed, falling back to "
@@ -520,7 +595,8 @@ class MxModelLoader(BaseModelLoader):
                                   single_region=self._settings.vmm_arena_single_mr,
                                   digest_algorithm=loaded.digest_algorithm,
                                   known_digests=loaded.digests, attributes=attributes,
-                                  guardian=True, local=local, host_buffers=buffers)
+                                  guardian=True, local=local, host_buffers=buffers,
+                                  layout=self._layouts.published())
         except Exception as exc:  # noqa: BLE001 - serving is an extra; the engine runs without it
             # Our own errors say what went wrong; anything else is a bug: show where.
             report.not_serving_reason = f"{type(exc).__name__}: {exc}"

@@ -53,6 +53,11 @@ class LoaderOptions:
             ``MX_MODEL_STORAGE``): with no READY peer, engines that start together fetch
             it from zero, one of them reading it from there
             (:mod:`~modelexpress.engines.vllm.from_zero`); empty: vLLM's loader.
+        cross_layout: derive this rank's layout; publish it with the source (block
+            digests hashed while the disk loader streams the checkpoint) and, when no
+            source of this very layout serves, pull regions from sources of other
+            tensor-parallel layouts (``mx_cross_layout``, default true;
+            :mod:`modelexpress.engines.vllm.layout_step`).
         identity_extra: facts added to the identity (``mx_identity_extra``, a dict).
         client_timeout_s, client_retries: HTTP client settings (environment only).
         settings: the settings the rest came from; the serve tuning that has no
@@ -75,6 +80,7 @@ class LoaderOptions:
     probe: bool = True
     fallback_load_format: str = "auto"
     model_storage: str = ""
+    cross_layout: bool = True
     identity_extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
     client_timeout_s: float = 10.0
     client_retries: int = 3
@@ -157,6 +163,7 @@ OPTION_KEYS: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "mx_fallback_load_format": ("fallback_load_format", str),
     "mx_identity_extra": ("identity_extra", dict),
     "mx_model_storage": ("model_storage", str),
+    "mx_cross_layout": ("cross_layout", bool),
 }
 
 

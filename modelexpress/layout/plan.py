@@ -30,7 +30,8 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from modelexpress.errors import CoverageError
-from modelexpress.layout.model import (Box, Fill, Layout, LayoutError, Piece, block_box,
+from modelexpress.layout.model import (BlockTable, Box, Fill, Layout, LayoutError, Piece,
+                                       block_box,
                                        blocks_in, box_contains, box_intersect, box_volume,
                                        translate)
 
@@ -106,6 +107,8 @@ class LayoutPlan:
         read_bytes: bytes the copies move (more than ``needed_bytes`` only for covering
             reads).
         sources: the sources used, in the order given.
+        units: the block grid of each checkpoint tensor the checks use.
+        dtypes: the dtype each checkpoint tensor's blocks are hashed in (the target's).
     """
 
     copies: tuple[Copy, ...]
@@ -117,6 +120,20 @@ class LayoutPlan:
     needed_bytes: int
     read_bytes: int
     sources: tuple[str, ...]
+    units: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def verified_blocks(self) -> BlockTable:
+        """The block table of what the target holds once the checks passed: the
+        digests it checked (of the checkpoint, whoever supplied them), to publish when it
+        serves its own layout."""
+        digests: dict[str, dict[int, str]] = {}
+        for c in self.checks:
+            digests.setdefault(c.ckpt, {})[c.block] = c.digest
+        return BlockTable(algorithm=self.algorithm,
+                          units={k: v for k, v in self.units.items() if k in digests},
+                          dtypes={k: v for k, v in self.dtypes.items() if k in digests},
+                          digests=digests)
 
     def by_source(self) -> dict[str, list[Copy]]:
         """The copies of each source used, in plan order."""
@@ -239,7 +256,9 @@ def plan_layout(target: Layout, sources: Sequence[tuple[str, Layout]]) -> Layout
     return LayoutPlan(copies=tuple(copies), checks=tuple(checks),
                       scratch=tuple(Scratch(k, s, d) for k, (s, d) in scratch.items()),
                       scatters=tuple(scatters), fills=target.fills, algorithm=algorithm,
-                      needed_bytes=needed, read_bytes=read, sources=used)
+                      needed_bytes=needed, read_bytes=read, sources=used,
+                      units={p.ckpt: units_of[p.ckpt] for p in target.pieces},
+                      dtypes={p.ckpt: target.tensors[p.tensor][1] for p in target.pieces})
 
 
 def _unit_region(units: Sequence[_Unit], scratch_key: str) -> Box:

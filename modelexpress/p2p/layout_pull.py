@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from modelexpress.errors import (LayoutError, MxError, NoSourceError, TransferCancelledError,
-                                 TransferError, TransferTimeoutError)
-from modelexpress.layout import Layout, plan_layout
+from modelexpress.errors import (ConflictError, LayoutError, MxError, NoSourceError,
+                                 TransferCancelledError, TransferError, TransferTimeoutError)
+from modelexpress.layout import BlockTable, CheckpointTensor, Layout, plan_layout
 from modelexpress.p2p.options import PullOptions
 from modelexpress.p2p.tracking import TransferTracker, outcome_of
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from modelexpress.layout.readers import LayoutReader
     from modelexpress.transfer import Manifest, NixlTransferManager
 
-__all__ = ["LayoutSource", "pull_across_layouts", "layout_readers"]
+__all__ = ["AcrossLayouts", "LayoutSource", "pull_across_layouts", "layout_readers"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,25 @@ class LayoutSource:
 
 
 LayoutReaderFactory = Callable[[LayoutSource], "LayoutReader"]
+TargetLayout = Layout | Callable[[Sequence[CheckpointTensor]], Layout]
+"""This rank's layout, or a function that derives it from the sources' checkpoint
+table (a target whose checkpoint is not on its disk)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AcrossLayouts:
+    """What :func:`pull_across_layouts` returns.
+
+    Attributes:
+        result: the :class:`~modelexpress.p2p.PullResult`.
+        blocks: the checkpoint blocks the target checked, with their digests: what it
+            publishes when it serves its own layout.
+        layout: the target's layout the pull filled.
+    """
+
+    result: Any
+    blocks: BlockTable
+    layout: Layout
 
 
 def layout_readers(opts: PullOptions, manager: Callable[[], "NixlTransferManager"],
@@ -96,7 +115,7 @@ def layout_readers(opts: PullOptions, manager: Callable[[], "NixlTransferManager
     return factory
 
 
-def pull_across_layouts(identity: "ModelIdentity", target: Layout,
+def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                         dest: Mapping[str, "torch.Tensor"], *, client: "MxClient",
                         options: PullOptions | None = None,
                         manager: "NixlTransferManager | None" = None,
@@ -108,7 +127,9 @@ def pull_across_layouts(identity: "ModelIdentity", target: Layout,
 
     Args:
         identity: this rank's identity (its family names the weights in any layout).
-        target: this rank's layout (:func:`modelexpress.engines.vllm.layout.derive_layout`).
+        target: this rank's layout (:func:`modelexpress.engines.vllm.layout.derive_layout`),
+            or a function that derives it from the checkpoint table the first candidate
+            publishes (raising LayoutUnavailableError when it cannot).
         dest: name -> tensor of the loaded form; every tensor the layout names.
         client: control-plane client (API version 4).
         options: as for :func:`~modelexpress.p2p.pull` (policy, attempts, deadline, stall,
@@ -121,8 +142,9 @@ def pull_across_layouts(identity: "ModelIdentity", target: Layout,
         covering_below: see :class:`~modelexpress.layout.readers.NixlLayoutReader`.
 
     Returns:
-        A :class:`~modelexpress.p2p.PullResult` (``digests`` empty: the checks were of
-        checkpoint blocks; ``source_attributes`` of every source read).
+        :class:`AcrossLayouts`: the :class:`~modelexpress.p2p.PullResult` (``digests``
+        empty: the checks were of checkpoint blocks; ``source_attributes`` of every
+        source read) and the blocks checked.
 
     Raises:
         NoSourceError: no candidate of another layout, no plan covers the target, or
@@ -141,8 +163,12 @@ def pull_across_layouts(identity: "ModelIdentity", target: Layout,
     t_start = time.perf_counter()
     end = time.monotonic() + opts.timeout_s
     worker = opts.worker_id or default_worker_id("pull")
-    record = client.start_transfer(identity, worker, policy=opts.policy,  # type: ignore[arg-type]
-                                   run_by_target=True, across_layouts=True)
+    try:
+        record = client.start_transfer(identity, worker, policy=opts.policy,  # type: ignore[arg-type]
+                                       run_by_target=True, across_layouts=True)
+    except ConflictError as exc:
+        raise _nothing_to_try(f"no READY source of {identity.model} in any parallel layout "
+                              f"(family {identity.family}): {exc}") from exc
     tracker = TransferTracker(client, record.id, interval_s=opts.progress_interval_s,
                               source_id=record.source_id, run_by_target=True)
     control_s = time.perf_counter() - t_start
@@ -167,6 +193,11 @@ def pull_across_layouts(identity: "ModelIdentity", target: Layout,
         t0 = time.perf_counter()
         candidates = _fetch(client, record.candidates, identity, skipped)
         control_s += time.perf_counter() - t0
+        if not candidates:
+            raise _nothing_to_try(_message(identity, "no READY source of another layout "
+                                           "publishes a layout", skipped))
+        if callable(target):
+            target = target(candidates[0].layout.checkpoint)
         dropped: set[str] = set()
         for attempt in range(1, opts.max_attempts + 1):
             usable = [(c.info.id, c.layout) for c in candidates if c.info.id not in dropped]
@@ -241,7 +272,7 @@ def pull_across_layouts(identity: "ModelIdentity", target: Layout,
                      identity.model, target.rank, target.tp_size, result.bytes,
                      ",".join(result.source_ids), result.seconds, result.gbps,
                      result.transport, len(plan.checks), verify_s, result.total_seconds)
-            return result
+            return AcrossLayouts(result, plan.verified_blocks(), target)
         raise NoSourceError(_message(identity, f"{opts.max_attempts} plan(s) failed", skipped))
     except TransferCancelledError:
         tracker.finish("STOPPED", done=tracker.done)
@@ -252,6 +283,14 @@ def pull_across_layouts(identity: "ModelIdentity", target: Layout,
     finally:
         if own_manager is not None:
             own_manager.close()
+
+
+def _nothing_to_try(message: str) -> NoSourceError:
+    """A NoSourceError before any byte moved (``nothing_tried``: a caller logs it quietly,
+    as the ordinary case of a first load)."""
+    exc = NoSourceError(message)
+    exc.nothing_tried = True  # type: ignore[attr-defined]
+    return exc
 
 
 def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",

@@ -167,7 +167,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
                  host_buffers: Sequence["HostBuffer"] = (),
                  own_host_buffers: bool = True,
                  own_manager: bool | None = None,
-                 state: Literal["INITIALIZING", "READY"] = "READY") -> SourceHandle:
+                 state: Literal["INITIALIZING", "READY"] = "READY",
+                 layout: Mapping[str, Any] | None = None) -> SourceHandle:
     """Register ``tensors`` with NIXL and publish them as a READY source.
 
     Args:
@@ -211,6 +212,9 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         state: INITIALIZING publishes memory still being filled, which no pull ranks
             (a fleet relay, :mod:`~modelexpress.p2p.relay`); heartbeats keep the state
             until the caller moves it to READY.
+        layout: the layout of ``tensors`` (:class:`modelexpress.layout.Layout` JSON),
+            published beside the manifest so that targets of other parallel layouts can
+            read regions of them (API version 4 servers; an older one stores none).
 
     Returns:
         A :class:`SourceHandle`; close it to withdraw.
@@ -251,7 +255,8 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
         info = client.publish_source(identity, wid, manifest=json.loads(manifest_json),
                                      agent_metadata=mgr.get_agent_metadata(),
                                      endpoint=endpoint or f"{socket.gethostname()}:{mgr.name}",
-                                     devices=tuple(dict.fromkeys(gpus.values())), state=state)
+                                     devices=tuple(dict.fromkeys(gpus.values())), state=state,
+                                     layout=dict(layout) if layout is not None else None)
     except BaseException:
         if local_source is not None:
             local_source.close()
