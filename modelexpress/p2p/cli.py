@@ -192,17 +192,27 @@ def pull(
         help="where the checkpoint is stored (s3://BUCKET/PREFIX or a directory; default "
              "MX_MODEL_STORAGE): with no READY peer, one pull becomes the origin (a lease "
              "on the control plane), reads it from there and serves it to the others"),
+    layout: Optional[pathlib.Path] = typer.Option(
+        None, "--layout",
+        help="pull the rank of --tp/--rank this layout describes (JSON of python -m "
+             "modelexpress.engines.vllm.derive) from sources of any parallel layout"),
     server: Optional[str] = SERVER, as_json: bool = JSON,
 ) -> None:
     """Pull a model's weights from READY peers and write them as safetensors.
 
     With --from (or MX_MODEL_STORAGE), a model no peer holds yet is read from storage
     once: the first pull takes the origin lease and reads it, pulls started meanwhile
-    read from it and from each other (docs/DEPLOYMENT.md, "From zero"). The output
-    appears under --out only when complete (written beside it under a hidden
-    temporary name, then renamed); an existing non-empty --out is refused unless
-    --overwrite.
+    read from it and from each other (docs/DEPLOYMENT.md, "From zero"). With --layout,
+    the rank is assembled from sources of other tensor-parallel layouts (each region
+    read once, every block checked against the checkpoint's digests) and written as
+    that rank's loaded form. The output appears under --out only when complete
+    (written beside it under a hidden temporary name, then renamed); an existing
+    non-empty --out is refused unless --overwrite.
     """
+    if layout is not None:
+        _pull_across_layouts(model, out, layout, revision, dtype, quantization, tp, pp, rank,
+                             device, policy, overwrite, server, as_json)
+        return
     # Where a small pull's time goes around PullResult.phases (the demo prints it):
     # interpreter start + the CLI, resolving the identity, the pull() call around its
     # own clock, writing the output. torch is imported inside pull() (its "imports"
@@ -295,6 +305,62 @@ def _pull_from_zero(model: str, out: pathlib.Path, url: str, revision: str,
                f"pulled {result.bytes / 1e9:.3f} GB ({len(result.tensors)} tensors) as the "
                f"{result.role} in {result.seconds:.2f} s ({result.storage_bytes / 1e9:.3f} GB "
                f"read from {storage.url}); wrote {len(files)} file(s) to {out}")
+def _pull_across_layouts(model: str, out: pathlib.Path, layout_file: pathlib.Path,
+                         revision: str, dtype: str | None, quantization: str | None, tp: int,
+                         pp: int, rank: int, device: str, policy: str | None, overwrite: bool,
+                         server: str | None, as_json: bool) -> None:
+    """``modelexpress pull --layout``: this rank from sources of other layouts."""
+    import dataclasses
+
+    from modelexpress.checkpoint import check_output, save_checkpoint
+    from modelexpress.errors import NoSourceError
+    from modelexpress.layout import Layout
+    from modelexpress.p2p.layout_pull import pull_across_layouts
+    from modelexpress.p2p.target import PullOptions
+
+    settings = _settings(server, as_json)
+    _check_device(device)
+    check_output(out, overwrite)
+    try:
+        target = Layout.loads(layout_file.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--layout {layout_file}: {exc}") from exc
+    if (target.tp_size, target.rank) != (tp, rank):
+        raise ConfigError(f"--layout {layout_file} describes rank {target.rank} of tp="
+                          f"{target.tp_size}, not rank {rank} of tp={tp}")
+    import torch
+
+    dest = {name: torch.zeros(shape, dtype=getattr(torch, dt), device=device)
+            for name, (shape, dt) in target.tensors.items()}
+    with _client(settings) as client, support.stop_on_signals(
+            f"pull of {model} stopped; nothing was written to {out}") as stop:
+        found = [s.model_identity for s in client.list_sources(model=model, revision=revision,
+                                                                state="READY")
+                 if (dtype is None or s.identity.get("dtype") == dtype)
+                 and (quantization is None or s.identity.get("quantization") == quantization)
+                 and s.layout_bytes]
+        families = {i.family for i in found}
+        if not found:
+            raise NoSourceError(f"no READY source of {model} (revision {revision}) published "
+                                "a layout")
+        if len(families) > 1:
+            raise MxError(f"sources of {model} hold {len(families)} different sets of weights "
+                          "(dtype, quantization, vLLM version, device): pass --dtype and "
+                          "--quantization")
+        identity = dataclasses.replace(found[0], tp_size=tp, pp_size=pp, rank=rank)
+        with support.progress_bar(not as_json, f"pull {model} across layouts") as update:
+            outcome = pull_across_layouts(
+                identity, target, dest, client=client, progress=update, stop=stop,
+                options=PullOptions.from_settings(settings, device=device, policy=policy))
+    result = outcome.result
+    files = save_checkpoint(dest, out, overwrite=overwrite)
+    summary = {"ok": True, **result.to_dict(), "out": [str(f) for f in files],
+               "across_layouts": True}
+    typer.echo(json.dumps(summary) if as_json else
+               f"pulled rank {rank} of tp={tp}: {result.bytes / 1e9:.3f} GB from "
+               f"{', '.join(result.source_ids)} (other layouts) in {result.seconds:.2f} s "
+               f"({result.gbps:.2f} GB/s over {result.transport}), every block verified; "
+               f"wrote {len(files)} file(s) to {out}; transfer {result.transfer_id}")
 
 
 def _resolve_identity(client: Any, model: str, revision: str, dtype: str | None,
