@@ -1,0 +1,263 @@
+"""A pull across tensor-parallel layouts against a same-layout pull of the same model.
+
+What runs (all real, on loopback, host memory): ``python -m modelexpress.server``
+(SQLite); three source processes (``tests/p2p/layout_source.py``) serving a generated
+Llama checkpoint (GQA, bf16; ``--hidden``/``--layers``) loaded by vLLM's real model class
+and disk loader: TP=1 rank 0 and both ranks of TP=2, each with the layout vLLM's own
+weight loaders give and the checkpoint's block digests; and this process as the TP=1
+target, whose destination is vLLM's own TP=1 model (its loaded form).
+
+Per round, alternating, each into a fresh destination:
+
+* ``same``: :func:`modelexpress.p2p.pull` from the TP=1 source (today's path: identity
+  match, coalesced tensors, per-tensor digests);
+* ``across``: :func:`~modelexpress.p2p.layout_pull.pull_across_layouts` from the two
+  TP=2 ranks (plan, box copies, block digests);
+
+over the local transport (``local``) and over NIXL (``nixl``, ``MX_IPC_DIR=off``); over
+NIXL ``across`` reads the short strided runs as covering spans and gathers them here
+(the default), and ``across_runs`` posts one descriptor per run instead. ``tp2`` pulls a
+TP=2 rank from the TP=1 source (its row-parallel weights are column halves of the
+source's rows: ``tp2_covering`` reads whole rows and gathers, ``tp2_runs`` one run per
+row). Reported: each pull's ``total_s`` (the call) and ``data_s`` (its data plane), the
+median over rounds, and ``ratio_across_vs_same`` (medians of ``total_s``; goal <= 1.3).
+
+``--plan-only`` derives the layouts of Llama-3.1-8B's shapes (meta tensors: no weights)
+at TP 1, 2, 4, 8 and plans every target rank from every other layout: derivation and
+planning time, layout JSON size, bytes read against bytes needed.
+
+Usage: python bench/layout.py [--rounds N] [--hidden H --layers L] | --plan-only
+Prints progress lines, then ONE JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "engines"))
+sys.path.insert(0, str(ROOT / "tests" / "server"))
+sys.path.insert(0, str(ROOT / "tests" / "p2p"))
+
+FAMILY = "bench"
+
+
+def _log(msg: str) -> None:
+    print(f"[bench/layout] {msg}", file=sys.stderr, flush=True)
+
+
+def make_checkpoint(path: pathlib.Path, hidden: int, layers: int) -> pathlib.Path:
+    from vllm_engines import make_tiny_llama
+
+    if (path / "model.safetensors").exists():
+        return path
+    heads = hidden // 128
+    return make_tiny_llama(path, hidden_size=hidden, num_layers=layers,
+                           intermediate_size=int(hidden * 2.75) // 256 * 256,
+                           num_heads=heads, num_kv_heads=max(heads // 4, 1), dtype="bfloat16")
+
+
+def _fresh(ckpt: pathlib.Path, tp: int, rank: int):  # noqa: ANN202
+    from vllm_layouts import load_rank
+
+    dest, layout = load_rank(ckpt, tp, rank, fill=False, dtype="bfloat16")
+    for t in dest.values():
+        t.zero_()  # touched: the pulls write into memory that is there, as in an engine
+    return dest, layout
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from layout_source import identity
+    from mx_server_procs import ServerProc
+    from vllm_layouts import load_rank
+
+    from modelexpress._subproc import ModuleProcess, clean_env
+    from modelexpress.client import MxClient
+    from modelexpress.layout.readers import COVERING_BELOW
+    from modelexpress.local import LocalOptions
+    from modelexpress.p2p import PullOptions, pull
+    from modelexpress.p2p.layout_pull import pull_across_layouts
+
+    work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="mx-bench-layout-"))
+    ckpt = make_checkpoint(work / f"llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers)
+    nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    _log(f"checkpoint {ckpt} ({nbytes / 1e6:.0f} MB)")
+    server = ServerProc(f"sqlite:///{work / 'mx.db'}", work,
+                        env={"MX_STALE_AFTER_S": "600"}).start()
+    ipc = tempfile.mkdtemp(prefix="mx-ipc-")
+    here = ROOT / "tests" / "p2p"
+    env = clean_env(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=server.token or "",
+                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="2",
+                    PYTHONPATH=f"{here}:{ROOT / 'tests' / 'engines'}")
+    procs = []
+    try:
+        for tp, rank in ((1, 0), (2, 0), (2, 1)):
+            procs.append(ModuleProcess(["layout_source", str(ckpt), str(tp), str(rank), FAMILY,
+                                        f"bench-{tp}-{rank}"], work / f"source-{tp}-{rank}.log",
+                                       env))
+        for p in procs:
+            p.json_line(600)
+        _log("sources ready")
+        reference, _ = load_rank(ckpt, 1, 0, dtype="bfloat16")
+        rows: dict[str, list[dict[str, float]]] = {}
+        client = MxClient(server.url, token=server.token, timeout_s=60.0)
+
+        def same(local: bool) -> dict[str, float]:
+            dest, _ = _fresh(ckpt, 1, 0)
+            opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
+                               worker_id="bench-target", stall_s=120.0)
+            t0 = time.perf_counter()
+            result = pull(identity(1, 0, FAMILY), dest, client=client, options=opts)
+            total = time.perf_counter() - t0
+            _check(dest, reference)
+            return {"total_s": total, "data_s": result.seconds, "bytes": result.bytes,
+                    "descriptors": result.descriptors}
+
+        def across(local: bool, tp: int = 1, rank: int = 0,
+                   covering: int = COVERING_BELOW) -> dict[str, float]:
+            dest, target = _fresh(ckpt, tp, rank)
+            opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
+                               worker_id="bench-target", stall_s=120.0)
+            t0 = time.perf_counter()
+            out = pull_across_layouts(identity(tp, rank, FAMILY), target, dest, client=client,
+                                      options=opts, covering_below=covering)
+            total = time.perf_counter() - t0
+            if tp == 1:
+                _check(dest, reference)
+            return {"total_s": total, "data_s": out.result.seconds, "bytes": out.result.bytes,
+                    "descriptors": out.result.descriptors,
+                    "verify_s": out.result.verify_seconds}
+
+        cases = {
+            "local_same": lambda: same(True),
+            "local_across": lambda: across(True),
+            "nixl_same": lambda: same(False),
+            "nixl_across": lambda: across(False),
+            "nixl_across_runs": lambda: across(False, covering=0),
+            "local_tp2": lambda: across(True, 2, 0),
+            "nixl_tp2_covering": lambda: across(False, 2, 0, covering=1 << 40),
+            "nixl_tp2_runs": lambda: across(False, 2, 0, covering=0),
+        }
+        for name, case in cases.items():  # one untimed round: imports, first connections
+            case()
+        for r in range(args.rounds):
+            for name, case in cases.items():
+                rows.setdefault(name, []).append(case())
+            _log(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{n} {rows[n][-1]['total_s']:.3f} s" for n in cases))
+        client.close()
+    finally:
+        for p in procs:
+            p.stop()
+        server.stop()
+        import shutil
+        shutil.rmtree(ipc, ignore_errors=True)
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+           for name, runs in rows.items()}
+    out = {"bench": "layout", "checkpoint_bytes": nbytes, "hidden": args.hidden,
+           "layers": args.layers, "rounds": args.rounds, "median": med,
+           "ratio_across_vs_same": {
+               "local": med["local_across"]["total_s"] / med["local_same"]["total_s"],
+               "nixl": med["nixl_across"]["total_s"] / med["nixl_same"]["total_s"]},
+           "ratio_data_plane": {
+               "local": med["local_across"]["data_s"] / med["local_same"]["data_s"],
+               "nixl": med["nixl_across"]["data_s"] / med["nixl_same"]["data_s"]},
+           "host": os.uname().nodename, "cpus": os.cpu_count(), "torch": torch.__version__}
+    return out
+
+
+def _check(dest: dict, reference: dict) -> None:
+    import torch
+
+    bad = [n for n, t in reference.items() if n in dest and not torch.equal(dest[n], t)]
+    if bad:
+        raise AssertionError(f"pulled tensors differ from vLLM's disk load: {bad[:3]}")
+
+
+def plan_only() -> dict[str, Any]:
+    """Layouts of Llama-3.1-8B's shapes at TP 1-8, planned against each other."""
+    import torch
+    import transformers
+    from vllm_layouts import vllm_config
+
+    from modelexpress.engines.vllm.layout import derive_layout, simulated_tensor_parallel
+    from modelexpress.layout import CheckpointTensor, plan_layout
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = transformers.LlamaConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+            max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+            torch_dtype="bfloat16")
+        cfg.save_pretrained(tmp)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(cfg)
+        table = tuple(CheckpointTensor(n, tuple(t.shape), "bfloat16")
+                      for n, t in sorted(model.state_dict().items()))
+        del model
+        from vllm.model_executor.model_loader import get_model_loader
+
+        layouts: dict[int, list] = {}
+        derive_s: dict[int, float] = {}
+        for tp in (1, 2, 4, 8):
+            vc = vllm_config(pathlib.Path(tmp), tp, "bfloat16")
+            loader = get_model_loader(vc.load_config)
+            t0 = time.perf_counter()
+            for rank in range(tp):
+                with simulated_tensor_parallel(tp, rank):
+                    layouts.setdefault(tp, []).append(
+                        derive_layout(vc, vc.model_config, table, loader, tp_size=tp, rank=rank))
+            derive_s[tp] = (time.perf_counter() - t0) / tp
+            _log(f"TP={tp}: {derive_s[tp]:.3f} s per rank")
+    from modelexpress.engines.vllm.layout_blocks import BlockHasher
+    from modelexpress.layout import BlockTable
+
+    def with_all_blocks(layout, sliced):  # noqa: ANN001, ANN202
+        hasher = BlockHasher(layout, sliced, torch.device("cpu"))
+        return layout.with_blocks(BlockTable(hasher.algorithm, hasher.units, hasher.dtypes, {
+            c: {i: f"{c}/{i}" for i in idx} for c, idx in hasher.wanted.items()}))
+
+    published = {tp: [with_all_blocks(*lr) for lr in ranks] for tp, ranks in layouts.items()}
+    plans = {}
+    for src_tp, sources in published.items():
+        for dst_tp, targets in layouts.items():
+            if src_tp == dst_tp:
+                continue
+            t0 = time.perf_counter()
+            read = needed = 0
+            for target, _ in targets:
+                plan = plan_layout(target, [(f"r{i}", s) for i, s in enumerate(sources)])
+                read += plan.read_bytes
+                needed += plan.needed_bytes
+            plans[f"{src_tp}->{dst_tp}"] = {
+                "plan_s_per_rank": (time.perf_counter() - t0) / dst_tp,
+                "read_over_needed": read / needed}
+    return {"bench": "layout-plan", "model": "Llama-3.1-8B shapes (bf16, meta)",
+            "derive_s_per_rank": derive_s,
+            "layout_json_bytes": {tp: len(ranks[0].dumps()) for tp, ranks in published.items()},
+            "plans": plans}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--workdir")
+    parser.add_argument("--plan-only", action="store_true")
+    args = parser.parse_args()
+    out = plan_only() if args.plan_only else run(args)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Pulls across tensor-parallel layouts from real source processes (library level).
+
+Three source processes (``layout_source.py``) serve ranks of a tiny GQA Llama with tied
+embeddings, each loaded by vLLM's real model class and disk loader, with the layout
+vLLM's own weight loaders give: both ranks of TP=2, and a TP=1 rank whose published
+layout lies (it swaps where layer 0's k and v lie; its bytes are right). A real server
+ranks them; the target assembles its rank in this process with
+:func:`~modelexpress.p2p.layout_pull.pull_across_layouts` and must equal vLLM's own disk
+load of that rank, every block checked against the checkpoint's digests:
+
+* a TP=4 rank, over the local transport: the lying TP=1 source is ranked first (a whole
+  layout in one source), caught by its blocks' digests, dropped, and the rank is
+  assembled from the two TP=2 ranks instead;
+* the TP=1 rank, over NIXL (the local transport off), with short strided runs read as
+  covering spans and gathered here, and as one descriptor per run.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "engines"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
+from layout_source import identity  # noqa: E402
+from mx_server_procs import ServerProc  # noqa: E402
+
+from modelexpress._subproc import ModuleProcess, clean_env  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow]
+
+FAMILY = "library"
+_HERE = pathlib.Path(__file__).resolve().parent
+
+
+class World:
+    def __init__(self, ckpt: pathlib.Path, server: ServerProc, ipc: str,
+                 sources: dict[str, str]) -> None:
+        self.ckpt, self.server, self.ipc, self.sources = ckpt, server, ipc, sources
+
+    def client(self):  # noqa: ANN201
+        from modelexpress.client import MxClient
+
+        return MxClient(self.server.url, token=self.server.token, timeout_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    from vllm_engines import make_tiny_llama
+
+    tmp = tmp_path_factory.mktemp("layout-pull")
+    ckpt = make_tiny_llama(tmp / "llama", num_heads=4, num_kv_heads=1, tie_word_embeddings=True)
+    server = ServerProc(f"sqlite:///{tmp / 'mx.db'}", tmp,
+                        env={"MX_STALE_AFTER_S": "600"}).start()
+    ipc = tempfile.mkdtemp(prefix="mx-ipc-")
+    env = clean_env(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=server.token or "",
+                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="1",
+                    PYTHONPATH=f"{_HERE}:{_HERE.parent / 'engines'}")
+    procs = {name: ModuleProcess(["layout_source", str(ckpt), *args, FAMILY, name,
+                                  *(["--lie"] if name == "liar" else [])],
+                                 tmp / f"{name}.log", env)
+             for name, args in (("r0", ["2", "0"]), ("r1", ["2", "1"]), ("liar", ["1", "0"]))}
+    try:
+        ids = {name: p.json_line(300)["source_id"] for name, p in procs.items()}
+        yield World(ckpt, server, ipc, ids)
+    finally:
+        for p in procs.values():
+            p.stop()
+        server.stop()
+        import shutil
+        shutil.rmtree(ipc, ignore_errors=True)
+
+
+def _pull(world: World, tp: int, rank: int, *, local: bool, covering_below=None):  # noqa: ANN001, ANN202
+    from vllm_layouts import load_rank
+
+    from modelexpress.local import LocalOptions
+    from modelexpress.p2p import PullOptions
+    from modelexpress.p2p.layout_pull import pull_across_layouts
+
+    reference, _ = load_rank(world.ckpt, tp, rank)
+    dest, target = load_rank(world.ckpt, tp, rank, fill=False)
+    for t in dest.values():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+    options = PullOptions(local=LocalOptions(ipc_dir=world.ipc if local else "off"),
+                          worker_id=f"target-{tp}-{rank}-{local}", stall_s=60.0)
+    with world.client() as client:
+        out = pull_across_layouts(identity(tp, rank, FAMILY), target, dest, client=client,
+                                  options=options, covering_below=covering_below)
+        record = client.get_transfer(out.result.transfer_id)
+    for name in target.tensors:
+        assert torch.equal(dest[name], reference[name]), name
+    return out, record
+
+
+def test_a_tp4_rank_drops_the_source_whose_layout_lies_and_reads_the_tp2_ranks(world) -> None:
+    out, record = _pull(world, 4, 1, local=True)
+    ids = world.sources
+    assert record.candidates[0] == ids["liar"]  # a whole model in one source: tried first
+    assert record.layouts == "any" and record.state == "SUCCEEDED"
+    (dropped,) = [s for s in out.result.skipped if s.source_id == ids["liar"]]
+    assert "do not match the checkpoint digests" in dropped.reason
+    assert "self_attn.k_proj.weight" in dropped.reason or "v_proj" in dropped.reason
+    assert set(out.result.source_ids) == {ids["r0"], ids["r1"]}
+    assert out.result.transport == "local" and out.result.verified
+    # the rank's blocks, checked, are what it would publish as a source of TP=4
+    assert out.blocks.digests and out.layout.tp_size == 4
+
+
+@pytest.mark.parametrize("covering", ["covering-spans", "runs"])
+def test_the_tp1_rank_over_nixl_with_short_runs_read_covering_or_one_by_one(world,
+                                                                            covering) -> None:
+    from modelexpress.layout.readers import COVERING_BELOW
+
+    out, record = _pull(world, 1, 0, local=False,
+                        covering_below=COVERING_BELOW if covering == "covering-spans" else 0)
+    ids = world.sources
+    assert set(out.result.source_ids) == {ids["r0"], ids["r1"]}
+    assert out.result.transport not in ("local", "none")
+    assert record.state == "SUCCEEDED"
+    # TP=2 -> TP=1: each rank's row-parallel weights land in column halves of the target,
+    # a run per row; read covering, each is one descriptor and a local gather instead
+    runs = out.result.descriptors
+    if covering == "runs":
+        assert runs > 2 * 128  # the rows of o_proj / down_proj, per layer and rank
+    else:
+        assert runs < 64
+
+
+def test_the_cli_writes_a_tp1_rank_it_assembled_from_tp2_sources(world, tmp_path) -> None:
+    """``python -m modelexpress.engines.vllm.derive`` gives the TP=1 layout, ``modelexpress
+    pull --layout`` assembles that rank from the TP=2 sources (the TP=1 source, whose
+    layout lies, has this very identity: a pull across layouts does not read it) and
+    writes the loaded form, equal to vLLM's own TP=1 disk load."""
+    import json
+    import subprocess
+
+    from layout_source import LAYOUT_MODEL
+    from safetensors.torch import load_file
+    from vllm_layouts import load_rank
+
+    env = clean_env(MX_SERVER_URL=world.server.url, MX_SERVER_TOKEN=world.server.token or "",
+                    MX_IPC_DIR="off")
+    layout = tmp_path / "tp1.json"
+    derived = subprocess.run(
+        [sys.executable, "-m", "modelexpress.engines.vllm.derive", str(world.ckpt), "--tp", "1",
+         "--rank", "0", "--dtype", "float32", "--out", str(layout)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert derived.returncode == 0, derived.stderr[-3000:]
+    out = tmp_path / "out"
+    pulled = subprocess.run(
+        [sys.executable, "-m", "modelexpress", "pull", "--model", LAYOUT_MODEL, "--tp", "1",
+         "--rank", "0", "--layout", str(layout), "--out", str(out), "--json"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert pulled.returncode == 0, pulled.stderr[-3000:]
+    summary = json.loads(pulled.stdout.strip().splitlines()[-1])
+    assert summary["across_layouts"] and summary["verified"]
+    assert set(summary["source_ids"]) == {world.sources["r0"], world.sources["r1"]}
+    written = {}
+    for f in sorted(out.glob("*.safetensors")):
+        written.update(load_file(str(f)))
+    reference, _ = load_rank(world.ckpt, 1, 0)
+    assert set(written) == set(json.loads(layout.read_text())["tensors"])
+    for name, t in written.items():
+        assert torch.equal(t, reference[name]), name
