@@ -4,12 +4,14 @@
 
 ::
 
-    LayoutStep(...)                      this rank's layout from the checkpoint's headers
-                                         (none on disk: derived later from a source's)
-      source, from disk:   hashing(fallback)   block digests while vLLM's disk loader
-                                               streams the checkpoint
-      target, no source of this layout:  pull(...)   regions from sources of other
-                                                     layouts, every block checked
+    LayoutStep(...)                      nothing yet: a pull from this very layout
+                                         needs no layout of its own
+      source, from disk:   hashing(fallback)   this rank's layout from the checkpoint's
+                                               headers; block digests while vLLM's disk
+                                               loader streams the checkpoint
+      target, no source of this layout:  pull(...)   this rank's layout from the sources'
+                                                     checkpoint table; regions from them,
+                                                     every block checked
       target, pulled from its own layout: adopt(...)  the source's layout (same bytes)
       published()                          what serve_source publishes beside the manifest
 
@@ -66,17 +68,8 @@ class LayoutStep:
         self.blocks: BlockTable | None = None
         self.refused: str | None = None if enabled else "off (mx_cross_layout=false)"
         self._adopted: dict[str, Any] | None = None
-        if enabled:
-            from modelexpress.engines.vllm.layout_blocks import checkpoint_table
-
-            try:
-                table = checkpoint_table(model_config.model)
-            except LayoutUnavailableError as exc:
-                # No checkpoint here (a target whose weights are elsewhere): the table
-                # comes from a source's layout when a pull across layouts needs it.
-                logger.debug("modelexpress: no local checkpoint headers (%s)", exc)
-            else:
-                self._derive(table)
+        # Derived only when a path needs it (a disk load, a pull across layouts): a pull
+        # from a source of this very layout adopts that source's layout and pays nothing.
 
     @property
     def eligible(self) -> bool:
@@ -112,6 +105,13 @@ class LayoutStep:
         check of what was loaded); wrapping the iterator keeps every one of them.
         A loader without ``get_all_weights`` (another load format) publishes no layout.
         """
+        if self.layout is None and self.refused is None:
+            from modelexpress.engines.vllm.layout_blocks import checkpoint_table
+
+            try:
+                self._derive(checkpoint_table(self.model_config.model))
+            except LayoutUnavailableError as exc:
+                self._refuse(str(exc))
         if self.layout is None or not callable(getattr(fallback, "get_all_weights", None)):
             if self.layout is not None:
                 self._refuse(f"the {type(fallback).__name__} disk loader streams no "

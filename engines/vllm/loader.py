@@ -64,7 +64,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_processin
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from modelexpress.errors import MxError
+from modelexpress.errors import LayoutUnavailableError, MxError
 from modelexpress.identity import ModelIdentity
 from modelexpress.p2p.readers import AgentStart
 from modelexpress.settings import MxSettings
@@ -236,7 +236,7 @@ class MxModelLoader(BaseModelLoader):
             # The arena (if any) outlives this block: the weights live in it, and a
             # source registers its range as one NIXL region.
             report.vmm_arena = arena is not None
-            # This rank's layout, on a meta model built before the real one.
+            # This rank's layout (derived on a meta model when a path needs it).
             self._layouts = LayoutStep(self.options.cross_layout, vllm_config, model_config,
                                        self, device)
             model, loaded = self._load(vllm_config, model_config, prefix, device, report)
@@ -386,6 +386,9 @@ class MxModelLoader(BaseModelLoader):
             quiet = getattr(exc, "nothing_tried", False)
             if quiet:
                 attempt.touched = False  # nothing was written: no rebuild for the disk
+            if isinstance(exc, LayoutUnavailableError):
+                attempt.touched = False  # refused before any byte moved
+                return None  # the one line saying why was logged where it was found
             (logger.info if quiet else logger.warning)(
                 "modelexpress: no pull of %s rank %d across layouts: %s", model_config.model,
                 identity.rank, why, exc_info=not isinstance(exc, MxError))
