@@ -382,16 +382,19 @@ class MxModelLoader(BaseModelLoader):
                                       probe=self.options.probe, tensors=tensors)
         except Exception as exc:  # noqa: BLE001 - any failure falls back; ours say why
             why = f"{type(exc).__name__}: {exc}"
-            report.fallback_reason = f"{report.fallback_reason}; across layouts: {why}"
-            quiet = getattr(exc, "nothing_tried", False)
-            if quiet:
+            if getattr(exc, "nothing_tried", False):
+                # the ordinary first load: no source of any layout yet
                 attempt.touched = False  # nothing was written: no rebuild for the disk
+                report.fallback_reason = f"{report.fallback_reason}, nor of another layout"
+                logger.debug("modelexpress: no pull across layouts: %s", why)
+                return None
             if isinstance(exc, LayoutUnavailableError):
                 attempt.touched = False  # refused before any byte moved
                 return None  # the one line saying why was logged where it was found
-            (logger.info if quiet else logger.warning)(
-                "modelexpress: no pull of %s rank %d across layouts: %s", model_config.model,
-                identity.rank, why, exc_info=not isinstance(exc, MxError))
+            report.fallback_reason = f"{report.fallback_reason}; across layouts: {why}"
+            logger.warning("modelexpress: pull of %s rank %d across layouts failed: %s",
+                           model_config.model, identity.rank, why,
+                           exc_info=not isinstance(exc, MxError))
             return None
         report.source = "peer"
         report.fallback_reason = None
