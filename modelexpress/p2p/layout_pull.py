@@ -199,68 +199,31 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
         if callable(target):
             target = target(candidates[0].layout.checkpoint)
         dropped: set[str] = set()
+        by_id = {c.info.id: c for c in candidates}
         for attempt in range(1, opts.max_attempts + 1):
-            usable = [(c.info.id, c.layout) for c in candidates if c.info.id not in dropped]
             try:
-                plan = plan_layout(target, usable)
+                plan = plan_layout(target, [(c.info.id, c.layout) for c in candidates
+                                            if c.info.id not in dropped])
             except LayoutError as exc:
                 raise NoSourceError(_message(identity, f"no plan covers this rank: {exc}",
                                              skipped)) from exc
-            by_id = {c.info.id: c for c in candidates}
-            total = plan.read_bytes
             buffers = {**dest, **allocate_scratch(plan, device)}
             log.info("cross-layout pull of %s rank %d/%d (attempt %d): %d bytes in %d copies "
                      "from %d source(s) of other layouts (%d bytes this rank holds)",
-                     identity.model, target.rank, target.tp_size, attempt, total,
+                     identity.model, target.rank, target.tp_size, attempt, plan.read_bytes,
                      len(plan.copies), len(plan.sources), plan.needed_bytes)
-            tracker.report(0, total, force=True)
-            tracker.begin()
-            done_before = 0
-            results: dict[str, Any] = {}
-            failed: set[str] = set()
             t_data = time.perf_counter()
-            for key, copies in plan.by_source().items():
-                source = by_id[key]
-                tracker.reading = key
-
-                def report(done: int, base: int = done_before) -> None:
-                    if progress is not None:
-                        progress(base + done, total)
-                    tracker.report(base + done, total)
-
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeoutError(
-                        f"cross-layout pull deadline of {opts.timeout_s:.0f} s ran out")
-                try:
-                    results[key] = factory(source).read_copies(
-                        copies, buffers, progress=report, stop=stopped, deadline_s=left)
-                except TransferCancelledError:
-                    raise
-                except (TransferError, MxError) as exc:
-                    if isinstance(exc, NoSourceError):
-                        raise
-                    failed.add(key)
-                    skipped.append(_skip(source.info, f"{type(exc).__name__}: {exc}"))
-                    break
-                done_before += sum(c.nbytes for c in copies)
+            results = _read(plan, by_id, buffers, factory, tracker, progress, stopped, end,
+                            opts.timeout_s, skipped)
             data_s = time.perf_counter() - t_data
-            if failed:
-                dropped |= failed
+            if results is None:  # a source failed: the plan is made again without it
+                dropped |= {s.source_id for s in skipped}
                 continue
             t_verify = time.perf_counter()
             bad = check_blocks(plan.checks, buffers, plan.algorithm)
             verify_s = time.perf_counter() - t_verify
             if bad:
-                blamed = {s for check in bad for s in check.sources}
-                for key in blamed:
-                    first = next(c for c in bad if key in c.sources)
-                    skipped.append(_skip(by_id[key].info, (
-                        f"{sum(key in c.sources for c in bad)} block(s) it supplied do not "
-                        f"match the checkpoint digests it published (first: block "
-                        f"{first.block} of {first.ckpt}): its layout disagrees with its "
-                        f"bytes, or a byte went wrong on the way")))
-                dropped |= blamed
+                dropped |= _blame(bad, by_id, skipped)
                 continue
             finish(plan, buffers)
             result = _result(plan, results, by_id, skipped, record.id, data_s, verify_s,
@@ -283,6 +246,52 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
     finally:
         if own_manager is not None:
             own_manager.close()
+
+
+def _read(plan: Any, by_id: Mapping[str, LayoutSource], buffers: Mapping[str, "torch.Tensor"],
+          factory: LayoutReaderFactory, tracker: TransferTracker,
+          progress: Callable[[int, int], None] | None, stopped: Callable[[], bool],
+          end: float, timeout_s: float, skipped: list) -> dict[str, Any] | None:
+    """Each source's copies of ``plan``, in order; the ReadStats by source, or None when
+    one failed (it is in ``skipped``)."""
+    total = plan.read_bytes
+    tracker.report(0, total, force=True)
+    tracker.begin()
+    done_before = 0
+    results: dict[str, Any] = {}
+    for key, copies in plan.by_source().items():
+        tracker.reading = key
+
+        def report(done: int, base: int = done_before) -> None:
+            if progress is not None:
+                progress(base + done, total)
+            tracker.report(base + done, total)
+
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"cross-layout pull deadline of {timeout_s:.0f} s ran out")
+        try:
+            results[key] = factory(by_id[key]).read_copies(copies, buffers, progress=report,
+                                                           stop=stopped, deadline_s=left)
+        except (TransferCancelledError, NoSourceError):
+            raise
+        except MxError as exc:
+            skipped.append(_skip(by_id[key].info, f"{type(exc).__name__}: {exc}"))
+            return None
+        done_before += sum(c.nbytes for c in copies)
+    return results
+
+
+def _blame(bad: Sequence[Any], by_id: Mapping[str, LayoutSource], skipped: list) -> set[str]:
+    """The sources that supplied blocks that failed their checks (each in ``skipped``)."""
+    blamed = {s for check in bad for s in check.sources}
+    for key in sorted(blamed):
+        first = next(c for c in bad if key in c.sources)
+        skipped.append(_skip(by_id[key].info, (
+            f"{sum(key in c.sources for c in bad)} block(s) it supplied do not match the "
+            f"checkpoint digests it published (first: block {first.block} of {first.ckpt}): "
+            "its layout disagrees with its bytes, or a byte went wrong on the way")))
+    return blamed
 
 
 def _nothing_to_try(message: str) -> NoSourceError:

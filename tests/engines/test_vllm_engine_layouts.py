@@ -155,3 +155,27 @@ def test_qwen2_with_qkv_biases_two_to_one(tmp_path_factory, logs, server) -> Non
                 t1.start().wait_ready(READY_S)
                 assert sorted(_assert_across(t1, 1)) == sorted(s2_sources)
                 assert _answers(t1) == expected
+
+
+def test_an_expert_model_is_refused_in_one_line_and_loads_and_serves_as_before(
+        tmp_path_factory, logs, server) -> None:
+    """A Mixtral (expert layers): one INFO line says why it is not eligible for pulls
+    across layouts; it loads from disk, answers, and serves its own layout (no layout
+    published, so no target of another layout ever plans on it)."""
+    from modelexpress.client import MxClient
+
+    ckpt = make_tiny_llama(tmp_path_factory.mktemp("ckpt") / "mixtral", arch="mixtral",
+                           num_heads=4, num_kv_heads=1, num_layers=1)
+    engine = Engine(ckpt, name="moe", log_dir=logs, load_format="mx", env=_env(server),
+                    extra_args=_extra("moe-layouts"))
+    with engine:
+        engine.start().wait_ready(READY_S)
+        assert all(isinstance(a, str) for a in _answers(engine))
+        log = engine.log_text()
+        refusals = re.findall(r"is not eligible for pulls across parallel layouts: (.*)", log)
+        assert len(refusals) == 1 and "expert layer" in refusals[0], engine.log_tail()
+        assert "rank 0 loaded from disk" in log and "serving it" in log, engine.log_tail()
+        (source_id,) = re.findall(r"(?<!local )source (\S+) serving ", log)
+        with MxClient(server.url, token=TOKEN, timeout_s=30.0) as client:
+            info = client.get_source(source_id)
+        assert info.layout is None and info.layout_bytes == 0
