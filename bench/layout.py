@@ -96,14 +96,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ipc = tempfile.mkdtemp(prefix="mx-ipc-")
     here = ROOT / "tests" / "p2p"
     env = clean_env(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=server.token or "",
-                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="2",
+                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="2", MX_LOG_LEVEL="WARNING",
                     PYTHONPATH=f"{here}:{ROOT / 'tests' / 'engines'}")
     procs = []
     try:
         for tp, rank in ((1, 0), (2, 0), (2, 1)):
             procs.append(ModuleProcess(["layout_source", str(ckpt), str(tp), str(rank), FAMILY,
-                                        f"bench-{tp}-{rank}"], work / f"source-{tp}-{rank}.log",
-                                       env))
+                                        f"bench-{tp}-{rank}", "--dtype", "bfloat16"],
+                                       work / f"source-{tp}-{rank}.log", env))
         for p in procs:
             p.json_line(600)
         _log("sources ready")
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
                                worker_id="bench-target", stall_s=120.0)
             t0 = time.perf_counter()
-            result = pull(identity(1, 0, FAMILY), dest, client=client, options=opts)
+            result = pull(identity(1, 0, FAMILY, "bfloat16"), dest, client=client, options=opts)
             total = time.perf_counter() - t0
             _check(dest, reference)
             return {"total_s": total, "data_s": result.seconds, "bytes": result.bytes,
@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
                                worker_id="bench-target", stall_s=120.0)
             t0 = time.perf_counter()
-            out = pull_across_layouts(identity(tp, rank, FAMILY), target, dest, client=client,
+            out = pull_across_layouts(identity(tp, rank, FAMILY, "bfloat16"), target, dest,
+                                      client=client,
                                       options=opts, covering_below=covering)
             total = time.perf_counter() - t0
             if tp == 1:
@@ -248,6 +249,7 @@ def plan_only() -> dict[str, Any]:
 
 
 def main() -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # this process and the sources
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=1024)

@@ -163,3 +163,24 @@ def test_a_loader_that_computes_from_checkpoint_values_is_refused(checkpoints) -
             load_rank(checkpoints["llama-gqa"], 1, 0, fill=False)
     finally:
         LlamaForCausalLM.load_weights = original
+
+
+def test_a_quantized_model_or_layer_is_refused_in_one_sentence() -> None:
+    """By the config (any ``--quantization``), else by the first layer whose quant method
+    is not vLLM's unquantized one (packed formats: their shapes are the kernel's)."""
+    import types
+
+    from torch import nn
+
+    from modelexpress.engines.vllm.layout import refusal
+
+    class Fp8LinearMethod:  # a quant method as vLLM names them
+        pass
+
+    plain = types.SimpleNamespace(quantization=None)
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert refusal(model, plain) is None
+    assert refusal(model, types.SimpleNamespace(quantization="awq")) == \
+        "the model is quantized (awq)"
+    model[0].quant_method = Fp8LinearMethod()
+    assert refusal(model, plain) == "0 is quantized (Fp8LinearMethod)"

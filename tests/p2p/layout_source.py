@@ -1,6 +1,6 @@
 """A source process serving one tensor-parallel rank's loaded form with its layout.
 
-``python -m layout_source MODEL_DIR TP RANK FAMILY WORKER [--lie]`` (``tests/engines`` and
+``python -m layout_source MODEL_DIR TP RANK FAMILY WORKER [--lie] [--dtype D]`` (``tests/engines`` and
 ``tests/p2p`` on ``PYTHONPATH``): loads rank ``RANK`` of ``TP`` with vLLM's real model
 class and disk loader in this process (``vllm_layouts.load_rank``: the layout derived by
 vLLM's own weight loaders, block digests hashed from the checkpoint as it streamed),
@@ -25,10 +25,10 @@ import threading
 LAYOUT_MODEL = "layout-tests/tiny-llama"
 
 
-def identity(tp: int, rank: int, family: str):  # noqa: ANN201
+def identity(tp: int, rank: int, family: str, dtype: str = "float32"):  # noqa: ANN201
     from modelexpress.identity import ModelIdentity
 
-    return ModelIdentity(model=LAYOUT_MODEL, dtype="float32", tp_size=tp, rank=rank,
+    return ModelIdentity(model=LAYOUT_MODEL, dtype=dtype, tp_size=tp, rank=rank,
                          extra=(("test", family),))
 
 
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("family")
     parser.add_argument("worker")
     parser.add_argument("--lie", action="store_true")
+    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -60,7 +61,7 @@ def main() -> None:
     from modelexpress.p2p import serve_source
     from modelexpress.settings import MxSettings
 
-    tensors, layout = load_rank(args.model_dir, args.tp, args.rank)
+    tensors, layout = load_rank(args.model_dir, args.tp, args.rank, dtype=args.dtype)
     if args.lie:
         layout = lying(layout)
     settings = MxSettings.load()
@@ -68,7 +69,7 @@ def main() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with MxClient.from_settings(settings) as client, serve_source(
-            identity(args.tp, args.rank, args.family), shared, client=client,
+            identity(args.tp, args.rank, args.family, args.dtype), shared, client=client,
             worker_id=args.worker, heartbeat_interval_s=settings.heartbeat_interval_s,
             local=LocalOptions.from_settings(settings), host_buffers=(buf,),
             layout=layout.to_json()) as handle:
