@@ -69,8 +69,9 @@ def _fresh(ckpt: pathlib.Path, tp: int, rank: int):  # noqa: ANN202
     from vllm_layouts import load_rank
 
     dest, layout = load_rank(ckpt, tp, rank, fill=False, dtype="bfloat16")
-    for t in dest.values():
-        t.zero_()  # touched: the pulls write into memory that is there, as in an engine
+    for name in layout.tensors:
+        dest[name].zero_()  # touched: the pulls write into memory that is there, as in an
+        # engine; buffers built with the model (rotary cache, KV scales) keep their values
     return dest, layout
 
 
@@ -177,6 +178,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check(dest: dict, reference: dict) -> None:
+    """Every tensor equals vLLM's own disk load of the rank (what the loaders write and
+    what construction built)."""
     import torch
 
     bad = [n for n, t in reference.items() if n in dest and not torch.equal(dest[n], t)]
