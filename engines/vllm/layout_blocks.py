@@ -104,12 +104,15 @@ def _safetensors_header(path: pathlib.Path) -> dict[str, tuple[tuple[int, ...], 
 
 def block_algorithm(device: torch.device) -> str:
     """The block digest algorithm of a device kind: ``wsum-i32-v1`` on a GPU (computed
-    where the blocks are, bit-identical everywhere), ``xxh3-128`` on the CPU."""
+    where the blocks are, bit-identical everywhere), ``xxh3-128-b1m`` on the CPU (its
+    1 MiB pieces hashed on several threads: a target checks every block it assembled
+    after its copies, unlike a same-layout pull whose copy loop hashes as it lands)."""
     from modelexpress.transfer import digest as _digest
 
     if device.type != "cpu":
         return _digest.WSUM
-    return _digest.XXH3 if _digest.can_compute(_digest.XXH3, torch.empty(0)) else _digest.BLAKE2B
+    return (_digest.XXH3_BLOCKS_1M if _digest.can_compute(_digest.XXH3_BLOCKS_1M, torch.empty(0))
+            else _digest.BLAKE2B)
 
 
 class BlockHasher:

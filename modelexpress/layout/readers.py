@@ -125,24 +125,74 @@ def copy_boxes(copies: Sequence[Copy], sources: Mapping[str, "torch.Tensor"],
     return done
 
 
+@dataclasses.dataclass
+class _Runs:
+    """A source's copies as byte runs (:func:`_runs_of`)."""
+
+    direct: list[tuple[Copy, "TensorEntry", Any, Any, int]]  # copy, entry, src offs, dst addrs, run
+    covering: list[tuple[Copy, "TensorEntry", int, int, int]]  # copy, entry, span off, n, at
+    scratch_bytes: int
+    device: Any
+
+
+def _runs_of(copies: Sequence[Copy], entries: Mapping[str, "TensorEntry"],
+             buffers: Mapping[str, "torch.Tensor"], covering_below: int) -> _Runs:
+    """Each copy as byte runs contiguous on both sides, or, when they are shorter than
+    ``covering_below``, as the one span of the source that covers them (read into a
+    scratch buffer at ``at``, then gathered: :func:`_gather`)."""
+    import numpy as np
+
+    from modelexpress.layout.spans import covering_span, pair_runs
+
+    out = _Runs([], [], 0, None)
+    for c in copies:
+        dst = buffers[c.dst]
+        out.device = dst.device
+        entry = _entry(entries, c, dst.dtype)
+        itemsize = dst.element_size()
+        s_off, d_off, run = pair_runs(c.src_box, entry.shape, c.dst_box, dst.shape, itemsize)
+        if len(s_off) > 1 and run < covering_below:
+            off, n = covering_span(c.src_box, entry.shape, itemsize)
+            out.covering.append((c, entry, off, n, out.scratch_bytes))
+            out.scratch_bytes += -(-n // 256) * 256
+        else:
+            out.direct.append((c, entry, s_off, dst.data_ptr() + d_off.astype(np.int64), run))
+    return out
+
+
+def _gather_all(runs: _Runs, scratch: "torch.Tensor | None",
+                buffers: Mapping[str, "torch.Tensor"]) -> None:
+    for c, entry, off, _n, at in runs.covering:
+        _gather(scratch, at, off, entry.shape, c, buffers[c.dst])
+
+
 class LocalLayoutReader:
-    """Copies a same-host source's boxes from its mapped memory.
+    """Copies a same-host source's boxes out of the memory it shares (memfds).
+
+    Host to host, the runs go to the local transport's :class:`~modelexpress.local.
+    hostcopy.HostCopier` (``pread`` on several threads, in C where it is built: no page
+    faults on a mapping, the path a same-layout pull takes); runs shorter than
+    ``covering_below`` are read as their covering span into scratch and gathered here.
+    Into a GPU, each run is a ``cuMemcpyAsync`` from the mapped source.
 
     Args:
         endpoint: the source's local endpoint (published in its manifest).
         manifest: its manifest.
         device: CUDA ordinal of the destination, None for host memory.
         timeout_s: bound on connecting.
+        covering_below: see :data:`COVERING_BELOW`.
     """
 
     transport = "local"
 
     def __init__(self, endpoint: "LocalEndpoint", manifest: "Manifest",
-                 device: int | None = None, timeout_s: float = 10.0) -> None:
+                 device: int | None = None, timeout_s: float = 10.0,
+                 covering_below: int = COVERING_BELOW) -> None:
         self.endpoint = endpoint
         self.manifest = manifest
         self.device = device
         self.timeout_s = timeout_s
+        self.covering_below = covering_below
         self.copied = 0
 
     def read_copies(self, copies: Sequence[Copy], buffers: Mapping[str, "torch.Tensor"], *,
@@ -157,52 +207,102 @@ class LocalLayoutReader:
         session = LocalSession(self.endpoint, self.device, timeout_s=self.timeout_s,
                                files=False)
         connect_s = time.perf_counter() - t0
-        stream = None
         try:
-            entries = self.manifest.by_name()
-            views: dict[str, torch.Tensor] = {}
             t1 = time.perf_counter()
-            done = runs = 0
-            for c in copies:
-                if stop():
-                    raise TransferCancelledError("cross-layout read stopped")
-                if time.monotonic() > end:
-                    raise TransferTimeoutError(f"cross-layout read from {self.endpoint.source_id} "
-                                               f"did not finish within {deadline_s:.0f} s")
-                dst = buffers[c.dst]
-                entry = _entry(entries, c, dst.dtype)
-                if entry.device == "cpu" and dst.device.type == "cpu":
-                    if c.src_tensor not in views:
-                        raw = session.host_map.tensor(
-                            session.local_addr(entry.addr, entry.nbytes, True), entry.nbytes)
-                        views[c.src_tensor] = raw.view(dst.dtype).view(entry.shape)
-                    copy_boxes([c], views, buffers)
-                    runs += 1
-                else:
-                    from modelexpress.layout.spans import pair_runs
-                    from modelexpress.local.cuda import memcpy_async
-
-                    if stream is None:
-                        stream = torch.cuda.Stream(device=dst.device if dst.is_cuda else None)
-                    base = session.local_addr(entry.addr, entry.nbytes, entry.device == "cpu")
-                    s_off, d_off, run = pair_runs(c.src_box, entry.shape, c.dst_box,
-                                                  dst.shape, dst.element_size())
-                    for s, d in zip(s_off.tolist(), d_off.tolist()):
-                        memcpy_async(dst.data_ptr() + d, base + s, run, stream.cuda_stream)
-                    runs += len(s_off)
-                done += c.nbytes
-                self.copied = done
-                progress(done)
-            if stream is not None:
-                stream.synchronize()
+            runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below)
+            scratch = (torch.empty(runs.scratch_bytes, dtype=torch.uint8, device=runs.device)
+                       if runs.covering else None)
+            if runs.device is None or runs.device.type == "cpu":
+                count = self._host(session, runs, scratch, progress, stop, end, deadline_s)
+            else:
+                count = self._device(session, runs, scratch)
+            _gather_all(runs, scratch, buffers)
             seconds = time.perf_counter() - t1
         except (KeyError, ValueError) as exc:
             raise PeerError(f"{self.endpoint.source_id}: {exc}") from exc
         finally:
             session.close()
-        return ReadStats(bytes=done, seconds=max(seconds, 1e-9), descriptors=runs,
+        moved = (sum(len(s) * n for _, _, s, _, n in runs.direct)
+                 + sum(n for _, _, _, n, _ in runs.covering))
+        self.copied = moved
+        progress(moved)
+        return ReadStats(bytes=moved, seconds=max(seconds, 1e-9), descriptors=count,
                          transport=self.transport, connect_seconds=connect_s,
-                         detail=f"modelexpress.local over {self.endpoint.path}: {runs} copies")
+                         detail=(f"modelexpress.local over {self.endpoint.path}: {count} runs, "
+                                 f"{len(runs.covering)} covering span(s) gathered here"))
+
+    def _host(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None",
+              progress: Callable[[int], None], stop: Callable[[], bool], end: float,
+              deadline_s: float) -> int:
+        from modelexpress.local.hostcopy import HostCopier
+
+        jobs: list[tuple[int, int, int, int]] = []
+        where: dict[str, tuple[int, int]] = {}
+
+        def base(entry: "TensorEntry") -> tuple[int, int]:
+            if entry.device != "cpu":
+                raise PeerError(f"{self.endpoint.source_id} serves {entry.name} on "
+                                f"{entry.device}; this destination is host memory")
+            if entry.name not in where:
+                where[entry.name] = session.host_segment(entry.addr, entry.nbytes)
+            return where[entry.name]
+
+        for _c, entry, s_off, d_addr, run in runs.direct:
+            seg, off0 = base(entry)
+            jobs.extend((seg, off0 + s, d, run) for s, d in zip(s_off.tolist(), d_addr.tolist()))
+        for _c, entry, off, n, at in runs.covering:
+            seg, off0 = base(entry)
+            jobs.append((seg, off0 + off, scratch.data_ptr() + at, n))  # type: ignore[union-attr]
+        copier = HostCopier(session.host_map)
+        try:
+            done = 0
+            for chunk in _chunks(jobs, _LOCAL_CHUNK_BYTES):
+                if stop():
+                    raise TransferCancelledError("cross-layout read stopped")
+                if time.monotonic() > end:
+                    raise TransferTimeoutError(f"cross-layout read from {self.endpoint.source_id} "
+                                               f"did not finish within {deadline_s:.0f} s")
+                copier.copy(chunk)
+                done += sum(j[3] for j in chunk)
+                progress(done)
+        finally:
+            copier.close()
+        return len(jobs)
+
+    def _device(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None") -> int:
+        import torch
+
+        from modelexpress.local.cuda import memcpy_async
+
+        stream = torch.cuda.Stream(device=runs.device)
+        count = 0
+        for _c, entry, s_off, d_addr, run in runs.direct:
+            src = session.local_addr(entry.addr, entry.nbytes, entry.device == "cpu")
+            for s, d in zip(s_off.tolist(), d_addr.tolist()):
+                memcpy_async(d, src + s, run, stream.cuda_stream)
+            count += len(s_off)
+        for _c, entry, off, n, at in runs.covering:
+            src = session.local_addr(entry.addr, entry.nbytes, entry.device == "cpu")
+            memcpy_async(scratch.data_ptr() + at, src + off, n, stream.cuda_stream)  # type: ignore[union-attr]
+            count += 1
+        stream.synchronize()
+        return count
+
+
+_LOCAL_CHUNK_BYTES = 256 << 20  # progress and stop between HostCopier calls
+
+
+def _chunks(jobs: Sequence[tuple[int, int, int, int]], limit: int
+            ) -> list[list[tuple[int, int, int, int]]]:
+    out: list[list[tuple[int, int, int, int]]] = [[]]
+    filled = 0
+    for job in jobs:
+        if filled >= limit and out[-1]:
+            out.append([])
+            filled = 0
+        out[-1].append(job)
+        filled += job[3]
+    return [c for c in out if c]
 
 
 class NixlLayoutReader:
@@ -238,64 +338,46 @@ class NixlLayoutReader:
         import numpy as np
         import torch
 
-        from modelexpress.layout.spans import coalesce_runs, covering_span, pair_runs
+        from modelexpress.layout.spans import coalesce_runs
 
-        local, remote, lengths = [], [], []
-        gathers: list[tuple[Copy, Any, int, int]] = []  # (copy, entry, span offset, at)
-        scratch_bytes = 0
-        device = None
-        entries = self.manifest.by_name()
-        for c in copies:
-            dst = buffers[c.dst]
-            device = dst.device
-            entry = _entry(entries, c, dst.dtype)
-            itemsize = dst.element_size()
-            s_off, d_off, run = pair_runs(c.src_box, entry.shape, c.dst_box, dst.shape, itemsize)
-            if len(s_off) > 1 and run < self.covering_below:
-                off, n = covering_span(c.src_box, entry.shape, itemsize)
-                gathers.append((c, entry, off, scratch_bytes))
-                scratch_bytes += -(-n // 256) * 256
-                continue
-            s, d, n = coalesce_runs(entry.addr + s_off, dst.data_ptr() + d_off,
+        runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below)
+        scratch = (torch.empty(runs.scratch_bytes, dtype=torch.uint8, device=runs.device)
+                   if runs.covering else None)
+        local, remote = [], []
+        for _c, entry, s_off, d_addr, run in runs.direct:
+            s, d, n = coalesce_runs(entry.addr + s_off, d_addr,
                                     np.full(len(s_off), run, dtype=np.int64))
-            local.append(np.stack([d, n, np.full(len(d), _dev(dst), dtype=np.int64)], 1))
+            dev = 0 if runs.device.type == "cpu" else int(runs.device.index or 0)
+            local.append(np.stack([d, n, np.full(len(d), dev, dtype=np.int64)], 1))
             remote.append(np.stack([s, n, np.full(len(s), entry.device_index, dtype=np.int64)], 1))
-        scratch = None
-        if gathers:
-            scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
-            for c, entry, off, at in gathers:
-                n = covering_span(c.src_box, entry.shape, buffers[c.dst].element_size())[1]
-                local.append(np.array([[scratch.data_ptr() + at, n, _dev(scratch)]],
-                                      dtype=np.int64))
-                remote.append(np.array([[entry.addr + off, n, entry.device_index]],
-                                       dtype=np.int64))
+        for _c, entry, off, n, at in runs.covering:
+            local.append(np.array([[scratch.data_ptr() + at, n, _dev(scratch)]],  # type: ignore[union-attr]
+                                  dtype=np.int64))
+            remote.append(np.array([[entry.addr + off, n, entry.device_index]], dtype=np.int64))
         if not local:
             return ReadStats(0, 1e-9, 0, "none")
-        local_descs = np.concatenate(local).astype(np.uint64)
-        remote_descs = np.concatenate(remote).astype(np.uint64)
-        register = {name: t for name, t in buffers.items()}
+        register = dict(buffers)
         if scratch is not None:
             register["#scratch"] = scratch
         self.manager.ensure_registered(register)
         peer = self.manager.add_peer(self.metadata)
         try:
             result = self.manager.read_runs(
-                peer, local_descs, remote_descs,
-                local_mem="DRAM" if device is None or device.type == "cpu" else "VRAM",
+                peer, np.concatenate(local).astype(np.uint64),
+                np.concatenate(remote).astype(np.uint64),
+                local_mem="DRAM" if runs.device.type == "cpu" else "VRAM",
                 remote_mem=self.manifest.tensors[0].mem if self.manifest.tensors else "DRAM",
                 same_host=self.same_host, chunk_bytes=self.chunk_bytes, deadline_s=deadline_s,
                 progress=lambda done, _total: progress(done), stop=stop,
                 refuse_slow_transport=self.refuse, stall_s=self.stall_s)
         finally:
             self.manager.remove_peer(peer)
-        for c, entry, off, at in gathers:
-            dst = buffers[c.dst]
-            _gather(scratch, at, off, entry.shape, c, dst)
+        _gather_all(runs, scratch, buffers)
         return ReadStats(bytes=result.bytes, seconds=result.seconds,
                          descriptors=result.descriptors, transport=result.transport,
                          connect_seconds=result.connect_seconds,
-                         detail=(f"{result.transport_detail}; {len(gathers)} covering read(s) "
-                                 f"({scratch_bytes} bytes) gathered here"))
+                         detail=(f"{result.transport_detail}; {len(runs.covering)} covering "
+                                 f"span(s) ({runs.scratch_bytes} bytes) gathered here"))
 
 
 def _dev(t: "torch.Tensor") -> int:

@@ -102,7 +102,9 @@ def layout_readers(opts: PullOptions, manager: Callable[[], "NixlTransferManager
         ep = endpoint_of(source.manifest)
         if here is not None and ep is not None and ep.host_id == here:
             return LocalLayoutReader(ep, source.manifest,
-                                     None if device.type == "cpu" else (device.index or 0))
+                                     None if device.type == "cpu" else (device.index or 0),
+                                     covering_below=(COVERING_BELOW if covering_below is None
+                                                     else covering_below))
         if source.info.agent_metadata is None:
             raise TransferError(f"source {source.info.id} publishes no NIXL agent")
         return NixlLayoutReader(manager(), source.info.agent_metadata, source.manifest,
@@ -310,6 +312,8 @@ def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
 
     out = []
     for source_id in ids:
+        if source_id.startswith(f"{identity.id}:"):
+            continue  # this very identity's (the server names sources identity:worker)
         try:
             info = client.get_source(source_id)
         except MxError as exc:
