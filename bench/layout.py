@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             total = time.perf_counter() - t0
             _check(dest, reference)
             return {"total_s": total, "data_s": result.seconds, "bytes": result.bytes,
-                    "descriptors": result.descriptors}
+                    "descriptors": result.descriptors,
+                    **{f"phase_{k}_s": v for k, v in result.phases.items() if v}}
 
         def across(local: bool, tp: int = 1, rank: int = 0,
                    covering: int = COVERING_BELOW) -> dict[str, float]:
@@ -137,7 +138,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _check(dest, reference)
             return {"total_s": total, "data_s": out.result.seconds, "bytes": out.result.bytes,
                     "descriptors": out.result.descriptors,
-                    "verify_s": out.result.verify_seconds}
+                    "verify_s": out.result.verify_seconds,
+                    **{f"phase_{k}_s": v for k, v in out.result.phases.items() if v}}
 
         cases = {
             "local_same": lambda: same(True),
@@ -149,6 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "nixl_tp2_covering": lambda: across(False, 2, 0, covering=1 << 40),
             "nixl_tp2_runs": lambda: across(False, 2, 0, covering=0),
         }
+        if args.only:
+            cases = {k: v for k, v in cases.items() if k in args.only.split(",")}
         for name, case in cases.items():  # one untimed round: imports, first connections
             case()
         for r in range(args.rounds):
@@ -163,16 +167,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
         import shutil
         shutil.rmtree(ipc, ignore_errors=True)
-    med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    med = {name: {k: statistics.median(r.get(k, 0.0) for r in runs)
+                  for k in sorted({k for r in runs for k in r})}
            for name, runs in rows.items()}
     out = {"bench": "layout", "checkpoint_bytes": nbytes, "hidden": args.hidden,
            "layers": args.layers, "rounds": args.rounds, "median": med,
            "ratio_across_vs_same": {
-               "local": med["local_across"]["total_s"] / med["local_same"]["total_s"],
-               "nixl": med["nixl_across"]["total_s"] / med["nixl_same"]["total_s"]},
+               t: med[f"{t}_across"]["total_s"] / med[f"{t}_same"]["total_s"]
+               for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
            "ratio_data_plane": {
-               "local": med["local_across"]["data_s"] / med["local_same"]["data_s"],
-               "nixl": med["nixl_across"]["data_s"] / med["nixl_same"]["data_s"]},
+               t: med[f"{t}_across"]["data_s"] / med[f"{t}_same"]["data_s"]
+               for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
            "host": os.uname().nodename, "cpus": os.cpu_count(), "torch": torch.__version__}
     return out
 
@@ -258,6 +263,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--workdir")
+    parser.add_argument("--only", help="comma-separated cases (default: all)")
     parser.add_argument("--plan-only", action="store_true")
     args = parser.parse_args()
     out = plan_only() if args.plan_only else run(args)

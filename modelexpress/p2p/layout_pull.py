@@ -202,10 +202,13 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
             target = target(candidates[0].layout.checkpoint)
         dropped: set[str] = set()
         by_id = {c.info.id: c for c in candidates}
+        plan_s = 0.0
         for attempt in range(1, opts.max_attempts + 1):
+            t_plan = time.perf_counter()
             try:
                 plan = plan_layout(target, [(c.info.id, c.layout) for c in candidates
                                             if c.info.id not in dropped])
+                plan_s += time.perf_counter() - t_plan
             except LayoutError as exc:
                 raise NoSourceError(_message(identity, f"no plan covers this rank: {exc}",
                                              skipped)) from exc
@@ -229,7 +232,7 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                 continue
             finish(plan, buffers)
             result = _result(plan, results, by_id, skipped, record.id, data_s, verify_s,
-                             control_s, t_start, PullResult)
+                             control_s, plan_s, t_start, PullResult)
             tracker.report(result.bytes, result.bytes, force=True, rate_bps=result.gbps * 1e9)
             tracker.finish("SUCCEEDED", done=result.bytes, outcome=outcome_of(result))
             log.info("pulled %s rank %d/%d across layouts: %d bytes from %s in %.3f s "
@@ -346,7 +349,7 @@ def _message(identity: "ModelIdentity", why: str, skipped: Sequence[Any]) -> str
 
 
 def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s, control_s,  # noqa: ANN001, ANN202
-            t_start, PullResult):  # noqa: N803
+            plan_s, t_start, PullResult):  # noqa: N803
     nbytes = sum(r.bytes for r in results.values())
     seconds = max(data_s, 1e-9)
     transports = sorted({r.transport for r in results.values()})
@@ -362,7 +365,7 @@ def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s, contro
         source_attributes={k: dict(by_id[k].manifest.attributes) for k in results},
         transfer_id=transfer_id, expected_transport="", transport_detail="; ".join(
             r.detail for r in results.values() if r.detail),
-        phases={"control_plane": round(control_s, 6), "data_plane": round(data_s, 6),
-                "verify": round(verify_s, 6),
-                "other": round(max(total_s - control_s - data_s - verify_s, 0.0), 6)},
+        phases={"control_plane": round(control_s, 6), "plan": round(plan_s, 6),
+                "data_plane": round(data_s, 6), "verify": round(verify_s, 6),
+                "other": round(max(total_s - control_s - plan_s - data_s - verify_s, 0.0), 6)},
         verdict="ok" if transports == ["local"] else "unknown")
