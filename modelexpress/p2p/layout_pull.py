@@ -24,6 +24,7 @@ rebuilds (the vLLM loader does).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import socket
@@ -157,7 +158,7 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
     """
     import torch
 
-    from modelexpress.layout.readers import allocate_scratch, check_blocks, finish
+    from modelexpress.layout.readers import allocate_scratch, finish
     from modelexpress.p2p.source import default_worker_id
     from modelexpress.p2p.target import PullResult
 
@@ -189,6 +190,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
         return own_manager.get()
 
     factory = readers or layout_readers(opts, nixl, device, covering_below)
+    # The blocks of a source that finished are checked while the next one is read.
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mx-layout-check")
     stopped = (lambda: bool(stop is not None and stop.is_set())
                or tracker.stop_requested.is_set())
     try:
@@ -217,16 +220,16 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                      "from %d source(s) of other layouts (%d bytes this rank holds)",
                      identity.model, target.rank, target.tp_size, attempt, plan.read_bytes,
                      len(plan.copies), len(plan.sources), plan.needed_bytes)
+            checks = _Checks(plan, buffers, pool)
             t_data = time.perf_counter()
             results = _read(plan, by_id, buffers, factory, tracker, progress, stopped, end,
-                            opts.timeout_s, skipped)
+                            opts.timeout_s, skipped, checks.source_done)
             data_s = time.perf_counter() - t_data
             if results is None:  # a source failed: the plan is made again without it
+                checks.abandon()
                 dropped |= {s.source_id for s in skipped}
                 continue
-            t_verify = time.perf_counter()
-            bad = check_blocks(plan.checks, buffers, plan.algorithm)
-            verify_s = time.perf_counter() - t_verify
+            bad, verify_s = checks.finish()
             if bad:
                 dropped |= _blame(bad, by_id, skipped)
                 continue
@@ -249,16 +252,58 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
         tracker.finish("FAILED", error=f"{type(exc).__name__}: {exc}"[:8000], done=tracker.done)
         raise
     finally:
+        pool.shutdown(wait=True)
         if own_manager is not None:
             own_manager.close()
+
+
+class _Checks:
+    """The block checks of one plan, run on ``pool`` as the sources they need finish."""
+
+    def __init__(self, plan: Any, buffers: Mapping[str, "torch.Tensor"],
+                 pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        from modelexpress.layout.readers import check_blocks
+
+        self._check = check_blocks
+        self.plan, self.buffers, self.pool = plan, buffers, pool
+        self.pending = list(plan.checks)
+        self.done: set[str] = set()
+        self.futures: list[concurrent.futures.Future] = []
+        self.hashing_s = 0.0
+
+    def _run(self, checks: list) -> list:
+        t0 = time.perf_counter()
+        try:
+            return self._check(checks, self.buffers, self.plan.algorithm)
+        finally:
+            self.hashing_s += time.perf_counter() - t0
+
+    def source_done(self, key: str) -> None:
+        self.done.add(key)
+        ready = [c for c in self.pending if self.done.issuperset(c.sources)]
+        if ready:
+            self.pending = [c for c in self.pending if not self.done.issuperset(c.sources)]
+            self.futures.append(self.pool.submit(self._run, ready))
+
+    def finish(self) -> tuple[list, float]:
+        """The failed checks, and the seconds spent hashing (overlapped with the reads
+        but for the last source's)."""
+        bad = [c for f in self.futures for c in f.result()]
+        if self.pending:
+            bad += self._run(self.pending)
+        return bad, self.hashing_s
+
+    def abandon(self) -> None:
+        concurrent.futures.wait(self.futures)  # nothing may read the buffers after this
 
 
 def _read(plan: Any, by_id: Mapping[str, LayoutSource], buffers: Mapping[str, "torch.Tensor"],
           factory: LayoutReaderFactory, tracker: TransferTracker,
           progress: Callable[[int, int], None] | None, stopped: Callable[[], bool],
-          end: float, timeout_s: float, skipped: list) -> dict[str, Any] | None:
-    """Each source's copies of ``plan``, in order; the ReadStats by source, or None when
-    one failed (it is in ``skipped``)."""
+          end: float, timeout_s: float, skipped: list,
+          source_done: Callable[[str], None]) -> dict[str, Any] | None:
+    """Each source's copies of ``plan``, in order (``source_done(key)`` after each); the
+    ReadStats by source, or None when one failed (it is in ``skipped``)."""
     total = plan.read_bytes
     tracker.report(0, total, force=True)
     tracker.begin()
@@ -284,6 +329,7 @@ def _read(plan: Any, by_id: Mapping[str, LayoutSource], buffers: Mapping[str, "t
             skipped.append(_skip(by_id[key].info, f"{type(exc).__name__}: {exc}"))
             return None
         done_before += sum(c.nbytes for c in copies)
+        source_done(key)
     return results
 
 
