@@ -33,11 +33,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from modelexpress.errors import (ConflictError, LayoutError, MxError, NoSourceError,
-                                 TransferCancelledError, TransferError, TransferTimeoutError)
+from modelexpress.errors import (ConflictError, ControlPlaneError, LayoutError, MxError,
+                                 NoSourceError, TransferCancelledError, TransferError,
+                                 TransferTimeoutError)
 from modelexpress.layout import BlockTable, CheckpointTensor, Layout, plan_layout
 from modelexpress.p2p.options import PullOptions
 from modelexpress.p2p.tracking import TransferTracker, outcome_of
+from modelexpress.wire import API_VERSION
 
 if TYPE_CHECKING:
     import torch
@@ -172,6 +174,10 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
     except ConflictError as exc:
         raise _nothing_to_try(f"no READY source of {identity.model} in any parallel layout "
                               f"(family {identity.family}): {exc}") from exc
+    except ControlPlaneError as exc:
+        if (client.server_api_version or API_VERSION) >= 4:
+            raise
+        raise _nothing_to_try(str(exc)) from exc  # an older server: as before, quietly
     tracker = TransferTracker(client, record.id, interval_s=opts.progress_interval_s,
                               source_id=record.source_id, run_by_target=True)
     control_s = time.perf_counter() - t_start
