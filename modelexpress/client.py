@@ -343,7 +343,7 @@ class MxClient(ClosedOnCollect):
                 out for a version-1 server, which has no place for them: they are
                 also in the manifest's attributes).
             layout: the layout of the served loaded form (:mod:`modelexpress.layout`
-                JSON; API version 4: left out for an older server, and the source then
+                JSON; API version 5: left out for an older server, and the source then
                 serves targets of its own layout only).
 
         Returns:
@@ -358,7 +358,7 @@ class MxClient(ClosedOnCollect):
 
         def for_version(version: int) -> dict[str, Any]:
             out = {**body, "devices": list(devices)} if version >= 2 and devices else body
-            return {**out, "layout": layout} if version >= 4 and layout is not None else out
+            return {**out, "layout": layout} if version >= 5 and layout is not None else out
 
         return _reply(SourceInfo, self._request("PUT", "/v1/sources", json=for_version))
 
@@ -439,10 +439,10 @@ class MxClient(ClosedOnCollect):
             relay = {**relay, "layouts": "any", "identity": identity.to_dict()}
 
         def for_version(version: int) -> dict[str, Any]:
-            if across_layouts and version < 4:
+            if across_layouts and version < 5:
                 raise ControlPlaneError(
                     f"the control plane at {self.current_url} speaks API version {version}; "
-                    f"pulls across parallel layouts need version 4: upgrade the server")
+                    f"pulls across parallel layouts need version 5: upgrade the server")
             return {**body, **relay} if version >= 3 else body
 
         # Only a body that depends on the version asks the replica's version first

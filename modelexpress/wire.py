@@ -198,7 +198,7 @@ class SourceSummary(_Parse):
                         "memory and for records of API version 1 publishers.")
     layout_bytes: int = Field(
         0, description="Size of the layout the source published (compact JSON; API "
-                       "version 4), 0 when it published none: it serves targets of its own "
+                       "version 5), 0 when it published none: it serves targets of its own "
                        "parallel layout only.")
 
     @property
@@ -215,7 +215,7 @@ class SourceDetail(SourceSummary):
     agent_metadata: Base64Bytes
     layout: dict[str, Any] | None = Field(
         None, description="The layout of the loaded form (modelexpress.layout JSON; API "
-                          "version 4), null when the source published none.")
+                          "version 5), null when the source published none.")
 
 
 @dataclass(frozen=True, config=_REPLY, kw_only=True)
@@ -260,7 +260,7 @@ class TransferInfo(_Parse):
     layouts: Literal["same", "any"] = Field(
         "same", description="any: the candidates include READY sources of the same weights "
                             "in other parallel layouts (after those of the identity itself), "
-                            "for a target that reads regions across layouts (API version 4).")
+                            "for a target that reads regions across layouts (API version 5).")
     relay_path: tuple[str, ...] = Field(
         (), description="Fleet relay: the holders the target reads from, chosen when an "
                         "agent that relays claimed it, or at creation for a pull that asked "

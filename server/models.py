@@ -91,7 +91,7 @@ class SourcePublish(_Model):
     devices: Annotated[list[GpuUuid], Field(max_length=64)] = Field(
         [], description="API version 2: UUIDs of the GPUs whose memory the source serves.")
     layout: dict[str, Any] | None = Field(
-        None, description="API version 4: the layout of the served loaded form "
+        None, description="API version 5: the layout of the served loaded form "
                           "(modelexpress.layout JSON: which checkpoint region each tensor "
                           "region holds, with block digests); stored as opaque JSON within "
                           "the manifest's size limit.")
@@ -143,11 +143,11 @@ class TransferCreate(_Model):
                            "transfers of the model may read from while it receives (a vLLM "
                            "engine's pull relays; the target serves it).")
     layouts: Literal["same", "any"] = Field(
-        "same", description="API version 4. any: rank READY sources of the same weights in "
+        "same", description="API version 5. any: rank READY sources of the same weights in "
                             "other parallel layouts too (after the identity's own), for a "
                             "target that reads across layouts; needs identity.")
     identity: IdentityIn | None = Field(
-        None, description="API version 4: the target's identity (its id must be "
+        None, description="API version 5: the target's identity (its id must be "
                           "identity_id); with layouts=any it names the weights in any "
                           "layout.")
 

@@ -107,7 +107,7 @@ class ControlPlane:
         """Create or replace the source of ``worker_id`` for ``identity``.
 
         ``devices``: UUIDs of the GPUs the source serves from (API version 2 publishers).
-        ``layout``: the layout of its loaded form (API version 4 publishers), stored
+        ``layout``: the layout of its loaded form (API version 5 publishers), stored
         beside the manifest; it makes the source a candidate for targets of other
         parallel layouts (:meth:`rank_sources`).
 

@@ -136,7 +136,7 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
             or a function that derives it from the checkpoint table the first candidate
             publishes (raising LayoutUnavailableError when it cannot).
         dest: name -> tensor of the loaded form; every tensor the layout names.
-        client: control-plane client (API version 4).
+        client: control-plane client (API version 5).
         options: as for :func:`~modelexpress.p2p.pull` (policy, attempts, deadline, stall,
             chunk size, local transport, NIXL backend, worker id).
         manager: a NIXL manager to read with (default: one is made when a source is
@@ -156,7 +156,7 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
             every plan failed (the message lists why each source was dropped).
         TransferCancelledError: ``stop``, or a stop through the control plane.
         TransferTimeoutError: ``options.timeout_s`` ran out.
-        ControlPlaneError: the server is older than API version 4.
+        ControlPlaneError: the server is older than API version 5.
     """
     import torch
 
@@ -175,7 +175,7 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
         raise _nothing_to_try(f"no READY source of {identity.model} in any parallel layout "
                               f"(family {identity.family}): {exc}") from exc
     except ControlPlaneError as exc:
-        if (client.server_api_version or API_VERSION) >= 4:
+        if (client.server_api_version or API_VERSION) >= 5:
             raise
         raise _nothing_to_try(str(exc)) from exc  # an older server: as before, quietly
     tracker = TransferTracker(client, record.id, interval_s=opts.progress_interval_s,

@@ -214,7 +214,7 @@ def serve_source(identity: "ModelIdentity", tensors: Mapping[str, "torch.Tensor"
             until the caller moves it to READY.
         layout: the layout of ``tensors`` (:class:`modelexpress.layout.Layout` JSON),
             published beside the manifest so that targets of other parallel layouts can
-            read regions of them (API version 4 servers; an older one stores none).
+            read regions of them (API version 5 servers; an older one stores none).
 
     Returns:
         A :class:`SourceHandle`; close it to withdraw.

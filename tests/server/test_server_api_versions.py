@@ -184,14 +184,14 @@ def test_a_new_client_works_with_the_old_server_leaving_out_what_it_lacks(
         relayed = c.start_transfer(ident, "target-2", run_by_target=True, relay_read=True,
                                    relay_serve=True)
         assert relayed.candidates == (src.id,) and relayed.relay_path == ()
-        # a layout (API version 4) is left out too: the source serves its own layout only
+        # a layout (API version 5) is left out too: the source serves its own layout only
         laid = c.publish_source(ident, "w2", manifest=manifest, layout={"format": "x"})
         assert laid.layout_bytes == 0 and c.get_source(laid.id).layout is None
         # a pull across layouts cannot be asked of it: one line, naming what to upgrade
         with pytest.raises(ControlPlaneError) as err:
             c.start_transfer(ident, "target-3", run_by_target=True, across_layouts=True)
         assert "\n" not in str(err.value) and "API version 1" in str(err.value)
-        assert "across parallel layouts need version 4: upgrade the server" in str(err.value)
+        assert "across parallel layouts need version 5: upgrade the server" in str(err.value)
 
 
 def test_a_request_the_old_server_refuses_is_one_line_naming_both_versions(

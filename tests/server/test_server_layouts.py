@@ -1,4 +1,4 @@
-"""Layouts on the control plane (API version 4): stored beside the manifest, and the one
+"""Layouts on the control plane (API version 5): stored beside the manifest, and the one
 ranking of candidates of other parallel layouts (``ControlPlane.rank_sources``)."""
 
 from __future__ import annotations
