@@ -144,7 +144,8 @@ class LayoutStep:
 
     # --- target ------------------------------------------------------------------------
     def pull(self, identity: "ModelIdentity", dest: Mapping[str, torch.Tensor], *,
-             client: "MxClient", options: "PullOptions", manager: Any = None) -> Any:
+             client: "MxClient", options: "PullOptions", manager: Any = None,
+             before_writing: Any = None) -> Any:
         """Fill ``dest`` from sources of other layouts (:func:`~modelexpress.p2p.
         layout_pull.pull_across_layouts`); this rank's layout is derived from the
         sources' checkpoint table when there was none here.
@@ -168,7 +169,8 @@ class LayoutStep:
             return layout
 
         outcome = pull_across_layouts(identity, target, dest, client=client,
-                                      options=options, manager=manager)
+                                      options=options, manager=manager,
+                                      before_writing=before_writing)
         self.blocks = outcome.blocks
         return outcome.result
 

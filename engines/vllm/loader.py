@@ -64,7 +64,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_processin
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from modelexpress.errors import LayoutUnavailableError, MxError
+from modelexpress.errors import LayoutUnavailableError, MxError, ServerUnavailableError
 from modelexpress.identity import ModelIdentity
 from modelexpress.p2p.readers import AgentStart
 from modelexpress.settings import MxSettings
@@ -301,7 +301,7 @@ class MxModelLoader(BaseModelLoader):
             loaded = self._try_pull(model, model_config, device, report, attempt)
             if loaded is not None:
                 return model, loaded
-            if self._layouts.eligible:
+            if self._layouts.eligible and not attempt.unreachable:
                 if attempt.touched:
                     model = self._recreate(model, vllm_config, model_config, prefix, device,
                                            report, registrations)
@@ -370,11 +370,11 @@ class MxModelLoader(BaseModelLoader):
         try:
             with self._client() as client:
                 tensors = collect_loaded_tensors(model)
-                attempt.touched = True
                 t0 = time.perf_counter()
                 result = self._layouts.pull(identity, tensors, client=client,
                                             options=self.options.pull_options,
-                                            manager=self._manager(create=False))
+                                            manager=self._manager(create=False),
+                                            before_writing=attempt.touch)
                 report.weights_seconds = time.perf_counter() - t0
                 report.pull_result = result
                 loaded = self._finish(model, model_config, device, report,
@@ -384,12 +384,10 @@ class MxModelLoader(BaseModelLoader):
             why = f"{type(exc).__name__}: {exc}"
             if getattr(exc, "nothing_tried", False):
                 # the ordinary first load: no source of any layout yet
-                attempt.touched = False  # nothing was written: no rebuild for the disk
                 report.fallback_reason = f"{report.fallback_reason}, nor of another layout"
                 logger.debug("modelexpress: no pull across layouts: %s", why)
                 return None
             if isinstance(exc, LayoutUnavailableError):
-                attempt.touched = False  # refused before any byte moved
                 return None  # the one line saying why was logged where it was found
             report.fallback_reason = f"{report.fallback_reason}; across layouts: {why}"
             logger.warning("modelexpress: pull of %s rank %d across layouts failed: %s",
@@ -442,6 +440,7 @@ class MxModelLoader(BaseModelLoader):
                     self._layouts.adopt(client, result.source_ids[0])
         except MxError as exc:
             report.fallback_reason = f"pull failed: {type(exc).__name__}: {exc}"
+            attempt.unreachable = isinstance(exc, ServerUnavailableError)
             logger.warning("modelexpress: pull of %s (identity %s) failed, falling back to "
                            "the %s loader: %s", model_config.model, identity.id,
                            self.options.fallback_load_format, exc)
@@ -658,6 +657,10 @@ class MxModelLoader(BaseModelLoader):
 @dataclasses.dataclass
 class _PullAttempt:
     touched: bool = False  # the model was written to; the disk path needs a new one
+    unreachable: bool = False  # the control plane did not answer: no other pull is tried
+
+    def touch(self) -> None:
+        self.touched = True
 
 
 class _LayerRegistrations:

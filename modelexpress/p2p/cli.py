@@ -316,7 +316,7 @@ def _pull_across_layouts(model: str, out: pathlib.Path, layout_file: pathlib.Pat
     from modelexpress.errors import NoSourceError
     from modelexpress.layout import Layout
     from modelexpress.p2p.layout_pull import pull_across_layouts
-    from modelexpress.p2p.target import PullOptions
+    from modelexpress.p2p.options import PullOptions
 
     settings = _settings(server, as_json)
     _check_device(device)

@@ -127,7 +127,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                         progress: Callable[[int, int], None] | None = None,
                         stop: "threading.Event | None" = None,
                         readers: LayoutReaderFactory | None = None,
-                        covering_below: int | None = None) -> Any:
+                        covering_below: int | None = None,
+                        before_writing: Callable[[], None] | None = None) -> Any:
     """Fill ``dest`` (this rank's loaded form) from sources of other parallel layouts.
 
     Args:
@@ -145,6 +146,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
         stop: set: stop at the next copy (TransferCancelledError).
         readers: picks each source's reader (default :func:`layout_readers`).
         covering_below: see :class:`~modelexpress.layout.readers.NixlLayoutReader`.
+        before_writing: called once, just before the first byte is written into
+            ``dest`` (a caller that must rebuild a destination written to learns it).
 
     Returns:
         :class:`AcrossLayouts`: the :class:`~modelexpress.p2p.PullResult` (``digests``
@@ -162,7 +165,7 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
 
     from modelexpress.layout.readers import allocate_scratch, finish
     from modelexpress.p2p.source import default_worker_id
-    from modelexpress.p2p.target import PullResult
+    from modelexpress.p2p.result import PullResult
 
     opts = options or PullOptions()
     t_start = time.perf_counter()
@@ -222,6 +225,9 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                 raise NoSourceError(_message(identity, f"no plan covers this rank: {exc}",
                                              skipped)) from exc
             buffers = {**dest, **allocate_scratch(plan, device)}
+            if before_writing is not None:
+                before_writing()
+                before_writing = None
             log.info("cross-layout pull of %s rank %d/%d (attempt %d): %d bytes in %d copies "
                      "from %d source(s) of other layouts (%d bytes this rank holds)",
                      identity.model, target.rank, target.tp_size, attempt, plan.read_bytes,
@@ -363,7 +369,8 @@ def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
            skipped: list) -> list[LayoutSource]:
     """The candidates of other layouts with their manifests and layouts; those of this
     very identity are for :func:`~modelexpress.p2p.pull` (tried before this)."""
-    from modelexpress.p2p.target import SkippedSource, manifest_of
+    from modelexpress.p2p.manifests import manifest_of
+    from modelexpress.p2p.result import SkippedSource
 
     out = []
     for source_id in ids:
@@ -387,7 +394,7 @@ def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
 
 
 def _skip(info: "SourceInfo", reason: str) -> Any:
-    from modelexpress.p2p.target import SkippedSource
+    from modelexpress.p2p.result import SkippedSource
 
     log.warning("cross-layout source %s (worker %s) dropped: %s", info.id, info.worker_id,
                 reason)
