@@ -16,7 +16,8 @@
       published()                          what serve_source publishes beside the manifest
 
 A model whose layout cannot be derived (a quantized or expert layer, a loader that
-computes from checkpoint values) is logged once, with the tensor and why, and loads
+computes from checkpoint values), or a rank loading into GPU memory (not supported yet:
+:func:`~modelexpress.p2p.layout_pull.device_refusal`), is logged once, with the tensor and why, and loads
 as before: from sources of its own layout, else from disk. Nothing here fails a load.
 """
 
@@ -68,6 +69,12 @@ class LayoutStep:
         self.blocks: BlockTable | None = None
         self.refused: str | None = None if enabled else "off (mx_cross_layout=false)"
         self._adopted: dict[str, Any] | None = None
+        if enabled:
+            from modelexpress.p2p.layout_pull import device_refusal
+
+            on_device = device_refusal(device)
+            if on_device is not None:  # nothing derived, hashed or published either
+                self._refuse(on_device)
         # Derived only when a path needs it (a disk load, a pull across layouts): a pull
         # from a source of this very layout adopts that source's layout and pays nothing.
 

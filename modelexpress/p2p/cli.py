@@ -320,6 +320,11 @@ def _pull_across_layouts(model: str, out: pathlib.Path, layout_file: pathlib.Pat
 
     settings = _settings(server, as_json)
     _check_device(device)
+    from modelexpress.p2p.layout_pull import device_refusal
+
+    refused = device_refusal(device)
+    if refused is not None:
+        raise ConfigError(f"--layout with --device {device}: {refused}; pull to --device cpu")
     check_output(out, overwrite)
     try:
         target = Layout.loads(layout_file.read_text())

@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from modelexpress.errors import (ConflictError, ControlPlaneError, LayoutError, MxError,
-                                 NoSourceError, TransferCancelledError, TransferError,
+from modelexpress.errors import (ConflictError, ControlPlaneError, LayoutError,
+                                 LayoutUnavailableError, MxError, NoSourceError, TransferCancelledError, TransferError,
                                  TransferTimeoutError)
 from modelexpress.layout import BlockTable, CheckpointTensor, Layout, plan_layout
 from modelexpress.p2p.options import PullOptions
@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from modelexpress.layout.readers import LayoutReader
     from modelexpress.transfer import Manifest, NixlTransferManager
 
-__all__ = ["AcrossLayouts", "LayoutSource", "pull_across_layouts", "layout_readers"]
+__all__ = ["AcrossLayouts", "LayoutSource", "device_refusal", "pull_across_layouts",
+           "layout_readers"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,24 @@ class AcrossLayouts:
     result: Any
     blocks: BlockTable
     layout: Layout
+
+
+def device_refusal(device: "torch.device | str") -> str | None:
+    """Why a destination on ``device`` cannot be filled across layouts, or None.
+
+    Host memory only, for now: the readers' device paths (a ``cuMemcpyAsync`` per run
+    from a same-host source, NIXL READs into VRAM, ``wsum-i32-v1`` block digests on the
+    GPU) have not run on a GPU, so a GPU destination is refused before anything is
+    asked of the control plane (a caller then pulls from its own layout or loads from
+    disk, as before).
+    """
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return None
+    return (f"its load device is {device}: pulls across parallel layouts fill host memory "
+            "only (GPU destinations are not supported yet)")
 
 
 def layout_readers(opts: PullOptions, manager: Callable[[], "NixlTransferManager"],
@@ -160,6 +179,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
         TransferCancelledError: ``stop``, or a stop through the control plane.
         TransferTimeoutError: ``options.timeout_s`` ran out.
         ControlPlaneError: the server is older than API version 5.
+        LayoutUnavailableError: a tensor of ``dest`` is not in host memory
+            (:func:`device_refusal`); nothing was asked of the control plane.
     """
     import torch
 
@@ -168,6 +189,11 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
     from modelexpress.p2p.result import PullResult
 
     opts = options or PullOptions()
+    for tensor in dest.values():
+        refused = device_refusal(tensor.device)
+        if refused is not None:
+            raise LayoutUnavailableError(f"no pull across layouts for {identity.model}: "
+                                         f"{refused}")
     t_start = time.perf_counter()
     end = time.monotonic() + opts.timeout_s
     worker = opts.worker_id or default_worker_id("pull")
