@@ -16,7 +16,9 @@ Per round, alternating, each into a fresh destination:
 
 over the local transport (``local``) and over NIXL (``nixl``, ``MX_IPC_DIR=off``); over
 NIXL ``across`` reads the short strided runs as covering spans and gathers them here
-(the default), and ``across_runs`` posts one descriptor per run instead. ``tp2`` pulls a
+(the default), and ``across_runs`` posts one descriptor per run instead;
+``local_across_after`` is ``local_across`` with every block hashed after the copies
+rather than as its bytes land (the readers are offered no checks). ``tp2`` pulls a
 TP=2 rank from the TP=1 source (its row-parallel weights are column halves of the
 source's rows: ``tp2_covering`` reads whole rows and gathers, ``tp2_runs`` one run per
 row). Reported: each pull's ``total_s`` (the call) and ``data_s`` (its data plane), the
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from modelexpress.layout.readers import COVERING_BELOW
     from modelexpress.local import LocalOptions
     from modelexpress.p2p import PullOptions, pull
-    from modelexpress.p2p.layout_pull import pull_across_layouts
+    from modelexpress.p2p.layout_pull import layout_readers, pull_across_layouts
 
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="mx-bench-layout-"))
     ckpt = make_checkpoint(work / f"llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers)
@@ -125,13 +127,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     **{f"phase_{k}_s": v for k, v in result.phases.items() if v}}
 
         def across(local: bool, tp: int = 1, rank: int = 0,
-                   covering: int = COVERING_BELOW) -> dict[str, float]:
+                   covering: int = COVERING_BELOW, as_landed: bool = True) -> dict[str, float]:
             dest, target = _fresh(ckpt, tp, rank)
             opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
                                worker_id="bench-target", stall_s=120.0)
+            readers = None
+            if not as_landed:  # every block hashed after the copies (the readers offered none)
+                default = layout_readers(opts, _no_nixl, torch.device("cpu"), covering)
+                readers = lambda source: _AfterCopies(default(source))  # noqa: E731
             t0 = time.perf_counter()
             out = pull_across_layouts(identity(tp, rank, FAMILY, "bfloat16"), target, dest,
-                                      client=client,
+                                      client=client, readers=readers,
                                       options=opts, covering_below=covering)
             total = time.perf_counter() - t0
             if tp == 1:
@@ -139,11 +145,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return {"total_s": total, "data_s": out.result.seconds, "bytes": out.result.bytes,
                     "descriptors": out.result.descriptors,
                     "verify_s": out.result.verify_seconds,
+                    "blocks": sum(len(v) for v in out.blocks.digests.values()),
+                    "blocks_checked_as_landed": out.checked_as_landed,
                     **{f"phase_{k}_s": v for k, v in out.result.phases.items() if v}}
 
         cases = {
             "local_same": lambda: same(True),
             "local_across": lambda: across(True),
+            "local_across_after": lambda: across(True, as_landed=False),
             "nixl_same": lambda: same(False),
             "nixl_across": lambda: across(False),
             "nixl_across_runs": lambda: across(False, covering=0),
@@ -175,11 +184,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "ratio_across_vs_same": {
                t: med[f"{t}_across"]["total_s"] / med[f"{t}_same"]["total_s"]
                for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
+           "ratio_across_after_vs_same": (
+               med["local_across_after"]["total_s"] / med["local_same"]["total_s"]
+               if "local_across_after" in med and "local_same" in med else None),
            "ratio_data_plane": {
                t: med[f"{t}_across"]["data_s"] / med[f"{t}_same"]["data_s"]
                for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
-           "host": os.uname().nodename, "cpus": os.cpu_count(), "torch": torch.__version__}
+           "host": os.uname().nodename, "cpus": os.cpu_count(), "torch": torch.__version__,
+           "load_average_after": os.getloadavg()}
     return out
+
+
+class _AfterCopies:
+    """A layout reader that hashes no block as it lands (the caller hashes them all
+    after the copies): ``local_across_after``, the baseline of hashing as they land."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+
+    def read_copies(self, copies, buffers, **kw):  # noqa: ANN001, ANN003, ANN201
+        kw["checks"] = ()
+        return self.reader.read_copies(copies, buffers, **kw)
+
+
+def _no_nixl():  # noqa: ANN202
+    raise AssertionError("local_across_after reads over the local transport only")
 
 
 def _check(dest: dict, reference: dict) -> None:

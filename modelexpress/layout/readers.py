@@ -58,6 +58,10 @@ class ReadStats:
         transport: ``local``, or what UCX reported for the READ.
         detail: one line on how.
         connect_seconds: opening the source (mapping, or the connect READ).
+        checked: the checks (of those passed in) whose block was hashed as its bytes
+            landed and matched its digest.
+        failed: those hashed as they landed that did not match. A check in neither
+            was not hashed here: the caller checks it (:func:`check_blocks`).
     """
 
     bytes: int
@@ -66,6 +70,8 @@ class ReadStats:
     transport: str
     detail: str = ""
     connect_seconds: float = 0.0
+    checked: tuple[Check, ...] = ()
+    failed: tuple[Check, ...] = ()
 
 
 class LayoutReader(Protocol):
@@ -73,7 +79,8 @@ class LayoutReader(Protocol):
 
     def read_copies(self, copies: Sequence[Copy], buffers: Mapping[str, "torch.Tensor"], *,
                     progress: Callable[[int], None], stop: Callable[[], bool],
-                    deadline_s: float) -> ReadStats:
+                    deadline_s: float, checks: Sequence[Check] = (),
+                    algorithm: str = "") -> ReadStats:
         """Copy ``copies`` (all of this source) into ``buffers`` (target tensors and
         scratch, by name).
 
@@ -81,6 +88,9 @@ class LayoutReader(Protocol):
             progress: called with the bytes done so far.
             stop: True: stop at the next copy (TransferCancelledError).
             deadline_s: bound on the whole read.
+            checks: checks of blocks this source alone supplies, which a reader may
+                hash as their bytes land (``ReadStats.checked``/``failed``) with
+                ``algorithm``; those it does not are the caller's.
 
         Raises:
             ManifestMismatchError: the source's manifest does not hold a tensor the
@@ -197,7 +207,8 @@ class LocalLayoutReader:
 
     def read_copies(self, copies: Sequence[Copy], buffers: Mapping[str, "torch.Tensor"], *,
                     progress: Callable[[int], None], stop: Callable[[], bool],
-                    deadline_s: float) -> ReadStats:
+                    deadline_s: float, checks: Sequence[Check] = (),
+                    algorithm: str = "") -> ReadStats:
         import torch
 
         from modelexpress.local.client import LocalSession
@@ -212,11 +223,15 @@ class LocalLayoutReader:
             runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below)
             scratch = (torch.empty(runs.scratch_bytes, dtype=torch.uint8, device=runs.device)
                        if runs.covering else None)
+            in_pass = None
             if runs.device is None or runs.device.type == "cpu":
-                count = self._host(session, runs, scratch, progress, stop, end, deadline_s)
+                in_pass = _blocks_in_pass(checks, buffers, algorithm, self.endpoint.source_id)
+                count = self._host(session, runs, scratch, progress, stop, end, deadline_s,
+                                   in_pass)
             else:
                 count = self._device(session, runs, scratch)
             _gather_all(runs, scratch, buffers)
+            checked, failed = _outcomes(in_pass)
             seconds = time.perf_counter() - t1
         except (KeyError, ValueError) as exc:
             raise PeerError(f"{self.endpoint.source_id}: {exc}") from exc
@@ -229,11 +244,14 @@ class LocalLayoutReader:
         return ReadStats(bytes=moved, seconds=max(seconds, 1e-9), descriptors=count,
                          transport=self.transport, connect_seconds=connect_s,
                          detail=(f"modelexpress.local over {self.endpoint.path}: {count} runs, "
-                                 f"{len(runs.covering)} covering span(s) gathered here"))
+                                 f"{len(runs.covering)} covering span(s) gathered here, "
+                                 f"{len(checked) + len(failed)} block(s) hashed as they "
+                                 "landed"),
+                         checked=checked, failed=failed)
 
     def _host(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None",
               progress: Callable[[int], None], stop: Callable[[], bool], end: float,
-              deadline_s: float) -> int:
+              deadline_s: float, in_pass: Any = None) -> int:
         from modelexpress.local.hostcopy import HostCopier
 
         jobs: list[tuple[int, int, int, int]] = []
@@ -262,7 +280,7 @@ class LocalLayoutReader:
                 if time.monotonic() > end:
                     raise TransferTimeoutError(f"cross-layout read from {self.endpoint.source_id} "
                                                f"did not finish within {deadline_s:.0f} s")
-                copier.copy(chunk)
+                copier.copy(chunk, in_pass)
                 done += sum(j[3] for j in chunk)
                 progress(done)
         finally:
@@ -287,6 +305,54 @@ class LocalLayoutReader:
             count += 1
         stream.synchronize()
         return count
+
+
+def _blocks_in_pass(checks: Sequence[Check], buffers: Mapping[str, "torch.Tensor"],
+                    algorithm: str, peer: str) -> Any:
+    """The blocks of ``checks`` that the local transport's copy loop can hash as their
+    bytes land (contiguous in host memory, not overlapping another), as the ranges of a
+    :class:`~modelexpress.local.hostcopy.DigestsInPass` (one "tensor" per block, named
+    by its index in ``checks``); None when there are none or ``algorithm`` does not
+    stream. The others are left to :func:`check_blocks`."""
+    import types
+
+    from modelexpress.local.hostcopy import DigestsInPass
+    from modelexpress.transfer.digest import hasher
+
+    if not checks or not algorithm or hasher(algorithm) is None:
+        return None
+    spans = []
+    for i, c in enumerate(checks):
+        view = box_view(buffers[c.where], c.box)
+        if view.device.type == "cpu" and view.numel() and view.is_contiguous():
+            spans.append((view.data_ptr(), view.numel() * view.element_size(), i, view))
+    spans.sort(key=lambda x: x[0])
+    order, views, end = [], {}, 0
+    for start, nbytes, i, view in spans:
+        if start < end:
+            continue  # overlaps the block before it: checked after the copy instead
+        end = start + nbytes
+        order.append(types.SimpleNamespace(
+            name=str(i), remote=types.SimpleNamespace(digest=checks[i].digest)))
+        views[str(i)] = view
+    if not order:
+        return None
+    in_pass = DigestsInPass(algorithm, order, views, peer)
+    in_pass.checks = checks  # type: ignore[attr-defined]
+    return in_pass
+
+
+def _outcomes(in_pass: Any) -> tuple[tuple[Check, ...], tuple[Check, ...]]:
+    """The checks hashed whole as they landed: those that matched, those that did not
+    (a block some of whose bytes did not land through the copy loop is in neither)."""
+    if in_pass is None:
+        return (), ()
+    checked, failed = [], []
+    for name, want, got in in_pass.outcomes():
+        if got.startswith("(only "):
+            continue
+        (checked if got == want else failed).append(in_pass.checks[int(name)])
+    return tuple(checked), tuple(failed)
 
 
 _LOCAL_CHUNK_BYTES = 256 << 20  # progress and stop between HostCopier calls
@@ -334,7 +400,8 @@ class NixlLayoutReader:
 
     def read_copies(self, copies: Sequence[Copy], buffers: Mapping[str, "torch.Tensor"], *,
                     progress: Callable[[int], None], stop: Callable[[], bool],
-                    deadline_s: float) -> ReadStats:
+                    deadline_s: float, checks: Sequence[Check] = (),
+                    algorithm: str = "") -> ReadStats:
         import numpy as np
         import torch
 

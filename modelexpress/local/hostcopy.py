@@ -634,19 +634,25 @@ class DigestsInPass:
         Raises:
             IntegrityError: a digest did not match, or a tensor was not fully fed.
         """
+        bad = [(name, want, got) for name, want, got in self.outcomes() if got != want]
+        if bad:
+            raise _mismatch(bad, self.algorithm, self.peer)
+        return len(self._tensors)
+
+    def outcomes(self) -> list[tuple[str, str, str]]:
+        """``(name, expected digest, digest got)`` of every tensor; where not every byte
+        was hashed (bytes that landed other than through this copy), the digest got is
+        ``"(only N of M bytes hashed)"``, which equals no digest."""
         from modelexpress.transfer.digest import combine_digests
         in_c, digests = self._in_c, self.digests
-        bad = []
+        out = []
         for name, want, nbytes, first, count in self._tensors:
             if in_c.count(1, first, first + count) == count:  # all in C: the usual case
                 got = combine_digests(digests[16 * first:16 * (first + count)], nbytes)
             else:
                 got = self._mixed(first, count, nbytes)
-            if got != want:
-                bad.append((name, want, got))
-        if bad:
-            raise _mismatch(bad, self.algorithm, self.peer)
-        return len(self._tensors)
+            out.append((name, want, got))
+        return out
 
     def _mixed(self, first: int, count: int, nbytes: int) -> str:
         """A tensor's digest from ranges hashed in C and in Python (a range of neither

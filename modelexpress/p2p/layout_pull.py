@@ -79,11 +79,14 @@ class AcrossLayouts:
         blocks: the checkpoint blocks the target checked, with their digests: what it
             publishes when it serves its own layout.
         layout: the target's layout the pull filled.
+        checked_as_landed: how many of its block checks hashed the block as its
+            bytes landed (the local transport's copy loop); the others were hashed after.
     """
 
     result: Any
     blocks: BlockTable
     layout: Layout
+    checked_as_landed: int = 0
 
 
 def device_refusal(device: "torch.device | str") -> str | None:
@@ -261,7 +264,7 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
             checks = _Checks(plan, buffers, pool)
             t_data = time.perf_counter()
             results = _read(plan, by_id, buffers, factory, tracker, progress, stopped, end,
-                            opts.timeout_s, skipped, checks.source_done)
+                            opts.timeout_s, skipped, checks)
             data_s = time.perf_counter() - t_data
             if results is None:  # a source failed: the plan is made again without it
                 checks.abandon()
@@ -277,11 +280,13 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
             tracker.report(result.bytes, result.bytes, force=True, rate_bps=result.gbps * 1e9)
             tracker.finish("SUCCEEDED", done=result.bytes, outcome=outcome_of(result))
             log.info("pulled %s rank %d/%d across layouts: %d bytes from %s in %.3f s "
-                     "(%.2f GB/s, %s; %d blocks verified in %.3f s; the pull took %.3f s)",
+                     "(%.2f GB/s, %s; %d blocks verified, %d of them as they landed, the "
+                     "rest in %.3f s; the pull took %.3f s)",
                      identity.model, target.rank, target.tp_size, result.bytes,
                      ",".join(result.source_ids), result.seconds, result.gbps,
-                     result.transport, len(plan.checks), verify_s, result.total_seconds)
-            return AcrossLayouts(result, plan.verified_blocks(), target)
+                     result.transport, len(plan.checks), checks.in_pass, verify_s,
+                     result.total_seconds)
+            return AcrossLayouts(result, plan.verified_blocks(), target, checks.in_pass)
         raise NoSourceError(_message(identity, f"{opts.max_attempts} plan(s) failed", skipped))
     except TransferCancelledError:
         tracker.finish("STOPPED", done=tracker.done)
@@ -296,7 +301,10 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
 
 
 class _Checks:
-    """The block checks of one plan, run on ``pool`` as the sources they need finish."""
+    """The block checks of one plan: a block one source alone supplies is offered to
+    its reader to hash as its bytes land (:meth:`of`); the rest, and those the reader
+    left, run on ``pool`` as the sources they need finish. Every check is run once,
+    on the bytes in the destination."""
 
     def __init__(self, plan: Any, buffers: Mapping[str, "torch.Tensor"],
                  pool: concurrent.futures.ThreadPoolExecutor) -> None:
@@ -308,6 +316,20 @@ class _Checks:
         self.done: set[str] = set()
         self.futures: list[concurrent.futures.Future] = []
         self.hashing_s = 0.0
+        self.bad: list = []
+        self.in_pass = 0
+
+    def of(self, key: str) -> list:
+        """The pending checks of blocks source ``key`` alone supplies."""
+        return [c for c in self.pending if c.sources == (key,)]
+
+    def read_checked(self, checked: Sequence[Any], failed: Sequence[Any]) -> None:
+        """A reader hashed these as they landed: ``failed`` did not match."""
+        taken = {id(c) for c in (*checked, *failed)}
+        if taken:
+            self.pending = [c for c in self.pending if id(c) not in taken]
+            self.bad.extend(failed)
+            self.in_pass += len(taken)
 
     def _run(self, checks: list) -> list:
         t0 = time.perf_counter()
@@ -326,7 +348,7 @@ class _Checks:
     def finish(self) -> tuple[list, float]:
         """The failed checks, and the seconds spent hashing (overlapped with the reads
         but for the last source's)."""
-        bad = [c for f in self.futures for c in f.result()]
+        bad = self.bad + [c for f in self.futures for c in f.result()]
         if self.pending:
             bad += self._run(self.pending)
         return bad, self.hashing_s
@@ -339,9 +361,10 @@ def _read(plan: Any, by_id: Mapping[str, LayoutSource], buffers: Mapping[str, "t
           factory: LayoutReaderFactory, tracker: TransferTracker,
           progress: Callable[[int, int], None] | None, stopped: Callable[[], bool],
           end: float, timeout_s: float, skipped: list,
-          source_done: Callable[[str], None]) -> dict[str, Any] | None:
-    """Each source's copies of ``plan``, in order (``source_done(key)`` after each); the
-    ReadStats by source, or None when one failed (it is in ``skipped``)."""
+          checks: _Checks) -> dict[str, Any] | None:
+    """Each source's copies of ``plan``, in order, its reader offered the checks of the
+    blocks it alone supplies (``checks.source_done(key)`` after each); the ReadStats by
+    source, or None when one failed (it is in ``skipped``)."""
     total = plan.read_bytes
     tracker.report(0, total, force=True)
     tracker.begin()
@@ -359,15 +382,17 @@ def _read(plan: Any, by_id: Mapping[str, LayoutSource], buffers: Mapping[str, "t
         if left <= 0:
             raise TransferTimeoutError(f"cross-layout pull deadline of {timeout_s:.0f} s ran out")
         try:
-            results[key] = factory(by_id[key]).read_copies(copies, buffers, progress=report,
-                                                           stop=stopped, deadline_s=left)
+            results[key] = factory(by_id[key]).read_copies(
+                copies, buffers, progress=report, stop=stopped, deadline_s=left,
+                checks=checks.of(key), algorithm=plan.algorithm)
         except (TransferCancelledError, NoSourceError):
             raise
         except MxError as exc:
             skipped.append(_skip(by_id[key].info, f"{type(exc).__name__}: {exc}"))
             return None
         done_before += sum(c.nbytes for c in copies)
-        source_done(key)
+        checks.read_checked(results[key].checked, results[key].failed)
+        checks.source_done(key)
     return results
 
 

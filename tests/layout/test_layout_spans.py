@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from modelexpress.layout import Check, Copy, Fill, LayoutPlan, Scatter
@@ -79,8 +80,6 @@ def test_a_destination_outside_host_memory_is_refused_before_the_control_plane()
     """GPU destinations are not supported yet (``device_refusal``): the pull raises
     LayoutUnavailableError before it asks the control plane anything (a meta tensor
     stands in for a GPU one here: any device but the CPU is refused)."""
-    import pytest
-
     from modelexpress.errors import LayoutUnavailableError
     from modelexpress.identity import ModelIdentity
     from modelexpress.p2p.layout_pull import device_refusal, pull_across_layouts
@@ -95,3 +94,46 @@ def test_a_destination_outside_host_memory_is_refused_before_the_control_plane()
     identity = ModelIdentity(model="m", dtype="float32", tp_size=1, rank=0)
     with pytest.raises(LayoutUnavailableError, match="its load device is meta"):
         pull_across_layouts(identity, lambda table: None, dest, client=NoCalls())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python-loop", "c-loop"])
+def test_blocks_one_source_supplies_are_hashed_as_they_land_and_the_rest_left_to_after(
+        native: bool) -> None:
+    """The local reader's copy loop hashes each block it lands whole and contiguous
+    (a right one passes, a lying one fails); a block part of whose bytes landed another
+    way, or that is strided in the destination, is in neither list (checked after)."""
+    import os
+
+    from modelexpress.layout.readers import _blocks_in_pass, _outcomes
+    from modelexpress.local import HostBuffer, HostMapping
+    from modelexpress.local.hostcopy import HostCopier
+    from modelexpress.local.protocol import Segment
+    from modelexpress.transfer import digest
+
+    algo = digest.XXH3_BLOCKS_1M
+    rows, cols = 64, 1 << 14  # 16 KiB rows: blocks of 16 rows are 256 KiB
+    g = torch.Generator().manual_seed(3)
+    want = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
+    buf = HostBuffer(rows * cols)
+    buf.tensor(0, (rows * cols,), torch.uint8).copy_(want.view(-1))
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    dst = torch.zeros(rows, cols, dtype=torch.uint8)
+    boxes = {"right": ((0, 16), (0, cols)), "lie": ((16, 16), (0, cols)),
+             "partly": ((32, 16), (0, cols)), "strided": ((48, 16), (0, cols // 2))}
+    lie = want[:16].flip(0).contiguous()  # the digest of other bytes than these rows'
+    checks = [Check("w", i, digest.digest(lie if name == "lie" else
+                                          box_view(want, box).contiguous(), algo),
+                    "dst", box, ("s",))
+              for i, (name, box) in enumerate(boxes.items())]
+    in_pass = _blocks_in_pass(checks, {"dst": dst}, algo, "test peer")
+    seg, off = mapping.locate(buf.addr, buf.nbytes)
+    # rows 0-39 through the copier; rows 40-63 another way (as a gather would)
+    copier = HostCopier(mapping, threads=2, native=native)
+    copier.copy([(seg, off, dst.data_ptr(), 40 * cols)], in_pass)
+    dst[40:] = want[40:]
+    checked, failed = _outcomes(in_pass)
+    assert [c.block for c in checked] == [0] and [c.block for c in failed] == [1]
+    assert torch.equal(dst, want)
+    left = [c for c in checks if c not in checked and c not in failed]
+    assert [c.block for c in left] == [2, 3]
+    assert check_blocks(left, {"dst": dst}, algo) == []  # their turn: after the copies

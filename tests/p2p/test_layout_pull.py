@@ -111,6 +111,8 @@ def test_a_tp4_rank_drops_the_source_whose_layout_lies_and_reads_the_tp2_ranks(w
     # first half TP=2 rank 0 holds: that rank alone is read
     assert out.result.source_ids == (ids["r0"],)
     assert out.result.transport == "local" and out.result.verified
+    # the local transport's copy loop hashed the blocks it landed whole as they landed
+    assert 0 < out.checked_as_landed <= sum(len(v) for v in out.blocks.digests.values())
     # the rank's blocks, checked, are what it would publish as a source of TP=4
     assert out.blocks.digests and out.layout.tp_size == 4
 
@@ -125,7 +127,7 @@ def test_the_tp1_rank_over_nixl_with_short_runs_read_covering_or_one_by_one(worl
     ids = world.sources
     assert set(out.result.source_ids) == {ids["r0"], ids["r1"]}
     assert out.result.transport not in ("local", "none")
-    assert record.state == "SUCCEEDED"
+    assert record.state == "SUCCEEDED" and out.checked_as_landed == 0  # all after the READs
     # TP=2 -> TP=1: each rank's row-parallel weights land in column halves of the target,
     # a run per row; read covering, each is one descriptor and a local gather instead
     runs = out.result.descriptors
