@@ -94,6 +94,7 @@ def _assert_served(a: LlmEngine, arena: bool) -> None:
     log = a.log_text()
     assert re.search(r"loaded from disk in .*; serving it", log), a.log_tail()
     assert re.search(r"local source \S+ serving \d+ segments", log), a.log_tail()
+    _assert_no_layout_on_the_gpu(a)
     kinds = a.result["served_segments"]
     if arena:
         # the weights live in the arena: its chunks go to peers as POSIX fds
@@ -104,8 +105,21 @@ def _assert_served(a: LlmEngine, arena: bool) -> None:
         assert kinds.get("cuda_ipc", 0) > 0 and "vmm_fd" not in kinds, kinds
 
 
+def _assert_no_layout_on_the_gpu(engine: LlmEngine) -> None:
+    """Pulls across parallel layouts fill host memory only (GPU destinations are not
+    supported yet): a GPU rank says so in one line and derives, hashes and publishes no
+    layout; its own layout's pulls are unchanged."""
+    log = engine.log_text()
+    refusals = re.findall(r"is not eligible for pulls across parallel layouts: its load "
+                          r"device is cuda\S*: pulls across parallel layouts fill host "
+                          r"memory only", log)
+    assert len(refusals) == 1, engine.log_tail()
+    assert "block digests hashed" not in log, engine.log_tail()
+
+
 def _assert_pulled_locally(b: LlmEngine) -> None:
     log = b.log_text()
+    _assert_no_layout_on_the_gpu(b)
     assert re.search(r"rank 0 loaded from peer", log), b.log_tail()
     assert re.search(r"pulled .* GB/s, local, digests verified, probe match\)", log), b.log_tail()
     assert "from disk with the" not in log, b.log_tail()
