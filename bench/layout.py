@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -174,8 +175,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             p.stop()
         server.stop()
-        import shutil
         shutil.rmtree(ipc, ignore_errors=True)
+        if not args.workdir:  # a checkpoint of its own (305 MB by default): not kept
+            shutil.rmtree(work, ignore_errors=True)
     med = {name: {k: statistics.median(r.get(k, 0.0) for r in runs)
                   for k in sorted({k for r in runs for k in r})}
            for name, runs in rows.items()}
