@@ -206,6 +206,7 @@ class ArtifactStep:
             if self.layout.triton_dir is not None and result.aset is not None:
                 self._triton_files = [f.path for f in result.aset.files
                                       if f.kind in _TRITON_KINDS]
+                self._link_inductor_triton()
             log.info("modelexpress: installed %d compiled-artifact files (%.1f MB) for rank %d "
                      "from source %s over %s in %.3f s (pull %.3f s, verify+install %.3f s)",
                      result.files, result.bytes / 1e6, self.identity.rank, result.source_id,
@@ -217,6 +218,28 @@ class ArtifactStep:
         else:
             log.info("modelexpress: compiled artifacts %s: %s", result.outcome, result.reason)
             self._count(result.outcome)
+
+    def _link_inductor_triton(self) -> None:
+        """Put the Triton kernels that the set carries in inductor's cache where Triton
+        looks when nothing here compiles one (:func:`cc.inductor_triton_files`): this
+        process's own Triton directory, beside the set's other Triton entries."""
+        own = self.layout.triton_dir
+        if own is None:
+            return
+        t0 = time.perf_counter()
+        added, linked = 0, []
+        for triton_dir, files in cc.inductor_triton_files(
+                [pathlib.Path(d) for d in self._installed_dirs or []]):
+            if triton_dir == own:
+                continue
+            added += cc.link_entries(triton_dir, own, files)
+            linked += files
+        if linked:
+            known = set(self._triton_files)
+            self._triton_files += [f for f in linked if f not in known]
+            log.info("modelexpress: linked %d Triton files of the set's inductor cache into "
+                     "this process's Triton cache %s in %.3f s", added, own,
+                     time.perf_counter() - t0)
 
     def _on_backend_dir(self, local_cache_dir: str) -> None:
         """vLLM named its compile directory (on its own thread, before it compiles): put

@@ -80,7 +80,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KIND", "TRITON_KIND", "VLLM_TRITON_KIND", "CompileLayout", "CompileObserver",
            "artifact_identity", "MODELINFOS", "compile_disabled_reason", "config_drift",
-           "config_snapshot", "layout_of", "link_entries", "modelinfos_identity",
+           "config_snapshot", "inductor_triton_files", "layout_of", "link_entries", "modelinfos_identity",
            "platform_facts", "process_start_time", "software_facts", "triton_entries",
            "vllm_triton_dir"]
 
@@ -428,6 +428,30 @@ def triton_entries(directory: pathlib.Path | None, since: float | None = None) -
             if newest < since:
                 continue
         out.append(entry.name)
+    return out
+
+
+def inductor_triton_files(dirs: list[pathlib.Path]) -> list[tuple[pathlib.Path, list[str]]]:
+    """The Triton cache entries under inductor's caches in ``dirs`` (an installed set's
+    directories): ``(triton_dir, files relative to it)`` for each
+    ``.../inductor_cache/triton/<device>`` directory found.
+
+    Why: with AOT compilation vLLM 0.26 points ``TORCHINDUCTOR_CACHE_DIR`` into its
+    ``torch_aot_compile/<hash>`` directory, and inductor, once it builds a Triton kernel,
+    points ``TRITON_CACHE_DIR`` (process-wide) at ``<that>/triton/<device>``: a source
+    that compiled JIT-compiles its warm-up's Triton kernels (vLLM's own ops included)
+    there, inside the set. A target that loads the AOT-compiled model builds no inductor
+    kernel, Triton keeps its default directory, and the warm-up compiled every kernel
+    again (56 of them, 22 s, at 8B on an H100): the entries must also stand there.
+    """
+    out = []
+    for root in dirs:
+        for triton_dir in sorted(root.glob("**/inductor_cache/triton/*")):
+            entries = triton_entries(triton_dir)
+            files = [f"{entry}/{f.name}" for entry in entries
+                     for f in sorted((triton_dir / entry).iterdir()) if f.is_file()]
+            if files:
+                out.append((triton_dir, files))
     return out
 
 

@@ -165,3 +165,28 @@ def test_the_artifact_key_leaves_out_directories_of_the_host(monkeypatch, tmp_pa
         keys.append(cc._env_factors())
     (whole_a, neutral_a), (whole_b, neutral_b) = keys
     assert whole_a != whole_b and neutral_a == neutral_b
+
+
+def test_the_triton_kernels_of_an_installed_sets_inductor_cache_are_found(tmp_path) -> None:
+    """vLLM 0.26's AOT compile puts inductor's cache (and with it Triton's, once inductor
+    builds a kernel) under ``torch_aot_compile/<hash>/inductor_cache``: what a source's
+    warm-up JIT-compiled is there; a target that loads the AOT-compiled model needs the
+    entries in its own Triton directory."""
+    aot = tmp_path / "torch_compile_cache" / "torch_aot_compile" / "ab12"
+    kernels = aot / "inductor_cache" / "triton" / "0"
+    for key in ("KEYA", "KEYB"):
+        (kernels / key).mkdir(parents=True)
+        (kernels / key / "k.cubin").write_bytes(key.encode())
+        (kernels / key / f"__grp__{key}.json").write_text("{}")
+    (kernels / "KEYC").mkdir()  # an entry Triton has not written yet: nothing to link
+    (aot / "rank_0_0").mkdir(parents=True)
+    (aot / "rank_0_0" / "model").write_bytes(b"aot")
+    other = tmp_path / "torch_compile_cache" / "cd34" / "rank_0_0" / "backbone"
+    other.mkdir(parents=True)
+    found = cc.inductor_triton_files([aot, other, tmp_path / "absent"])
+    assert found == [(kernels, ["KEYA/__grp__KEYA.json", "KEYA/k.cubin",
+                                "KEYB/__grp__KEYB.json", "KEYB/k.cubin"])]
+    own = tmp_path / "home" / ".triton" / "cache"
+    assert cc.link_entries(kernels, own, found[0][1]) == 4
+    assert (own / "KEYB" / "k.cubin").read_bytes() == b"KEYB"
+    assert cc.triton_entries(own) == ["KEYA", "KEYB"]
