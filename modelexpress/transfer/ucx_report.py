@@ -308,12 +308,18 @@ def ucx_proto_info_env(log_file: str) -> dict[str, str]:
     return {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": log_file}
 
 
+_libc: "ctypes.CDLL | None" = None
+
+
 def _flush_c_streams() -> None:
     # UCX writes its log through a buffered C FILE*; a table written a moment ago can
     # still sit in that buffer. fflush(NULL) flushes every C output stream of this
     # process, which is harmless and the only handle we have on UCX's stream.
+    global _libc
     try:
-        ctypes.CDLL(None).fflush(None)
+        if _libc is None:
+            _libc = ctypes.CDLL(None)
+        _libc.fflush(None)
     except (OSError, AttributeError) as exc:  # no libc symbol table: read what is on disk
         log.debug("fflush(NULL) unavailable: %s", exc)
 
@@ -339,7 +345,12 @@ class ReportReader:
         self.tables: list[tuple[int, ProtoTable]] = []
         self.vmm_lines: list[tuple[int, str]] = []
         self._seq = 0
-        self._lock = threading.Lock()
+        # Re-entrant, and a poll inside a poll returns at once: a finalizer that runs
+        # in the middle of a poll (a transfer manager collected while this thread
+        # polls, whose close() polls once more) must neither deadlock on the lock this
+        # thread holds nor read while the outer poll is half way through its lines.
+        self._lock = threading.RLock()
+        self._polling = False
         self._path = ""
         self._offset = 0
         self._partial = b""
@@ -359,31 +370,40 @@ class ReportReader:
     def poll(self) -> int:
         """Read what UCX wrote since the last poll. Returns the last event number."""
         with self._lock:
-            _flush_c_streams()
-            try:
-                path = self._current()
-                if path is None:
-                    self.error = f"UCX has not written its log file {self.pattern}"
-                    return self._seq
-                if path != self._path:
-                    self._path, self._offset, self._partial = path, 0, b""
-                    self._asm = _Assembler()
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size < self._offset:  # truncated or rotated: start again
-                        self._offset, self._partial, self._asm = 0, b"", _Assembler()
-                    f.seek(self._offset)
-                    data = f.read(_MAX_READ_BYTES)
-            except OSError as exc:
-                self.error = f"UCX log {self.pattern} unreadable: {exc}"
+            if self._polling:  # re-entered on this thread (see __init__)
                 return self._seq
-            self.error = ""
-            self._offset += len(data)
-            lines = (self._partial + data).split(b"\n")
-            self._partial = lines.pop()
-            for raw in lines:
-                self._line(raw.decode(errors="replace"))
+            self._polling = True
+            try:
+                return self._poll()
+            finally:
+                self._polling = False
+
+    def _poll(self) -> int:
+        _flush_c_streams()
+        try:
+            path = self._current()
+            if path is None:
+                self.error = f"UCX has not written its log file {self.pattern}"
+                return self._seq
+            if path != self._path:
+                self._path, self._offset, self._partial = path, 0, b""
+                self._asm = _Assembler()
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < self._offset:  # truncated or rotated: start again
+                    self._offset, self._partial, self._asm = 0, b"", _Assembler()
+                f.seek(self._offset)
+                data = f.read(_MAX_READ_BYTES)
+        except OSError as exc:
+            self.error = f"UCX log {self.pattern} unreadable: {exc}"
             return self._seq
+        self.error = ""
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for raw in lines:
+            self._line(raw.decode(errors="replace"))
+        return self._seq
 
     def _line(self, line: str) -> None:
         m = _PREFIX.match(line)

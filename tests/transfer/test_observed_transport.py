@@ -112,6 +112,35 @@ def test_other_processes_and_unfinished_tables_are_not_read(tmp_path) -> None:
     assert reader.poll() == 1 and reader.tables[0][1].transports() == ("cma",)
 
 
+
+def test_a_poll_inside_a_poll_on_the_same_thread_returns_at_once(tmp_path, monkeypatch) -> None:
+    """A finalizer can run in the middle of a poll (a transfer manager collected while
+    this thread polls; its close() polls once more): that inner poll must not wait for
+    the lock its own thread holds (it did: a pull hung for good) nor read half way
+    through the outer poll's lines."""
+    import threading
+
+    from modelexpress.transfer import ucx_report
+
+    log = tmp_path / "ucx.log"
+    log.write_text(table("a", READ_HOST, CMA, "2.0"))
+    reader = ReportReader(glob.escape(str(log)), relay=False)
+    inner: list[int] = []
+    flush = ucx_report._flush_c_streams
+
+    def flush_then_poll_again() -> None:
+        flush()
+        if not inner:
+            inner.append(reader.poll())  # what a finalizer's close() does here
+
+    monkeypatch.setattr(ucx_report, "_flush_c_streams", flush_then_poll_again)
+    outer: list[int] = []
+    poller = threading.Thread(target=lambda: outer.append(reader.poll()), daemon=True)
+    poller.start()
+    poller.join(10.0)
+    assert not poller.is_alive(), "a poll inside a poll waited on its own thread's lock"
+    assert inner == [0] and outer == [1] and len(reader.tables) == 1
+
 # -- where UCX writes it ------------------------------------------------------------------
 def test_the_report_goes_to_our_file_unless_the_user_configured_ucx() -> None:
     ours = _decide({}, loaded=False)
