@@ -367,11 +367,26 @@ class ZeroFetch:
                                                      self.opts.origin_lease_s)
                 except ConflictError:
                     continue  # another target won: follow it
+                if self._ready():
+                    # The origin before it finished between this loop's look for READY
+                    # sources and the lease (it turns READY, then releases): read from it,
+                    # not storage. Seen on a loaded 2-core CI machine: three engines
+                    # started together, the third read the checkpoint from S3 again.
+                    self._give_back(won)
+                    continue
                 try:
                     return self._originate(won)
                 except _Lost as exc:
                     log.warning("from zero: %s; following the new origin", exc)
                     continue
+
+    def _give_back(self, lease: "OriginLease") -> None:
+        """Release a lease just won without reading anything."""
+        try:
+            self.client.renew_origin(self.identity, self.worker, lease.generation,
+                                     self.opts.origin_lease_s, release=True)
+        except (ConflictError, NotFoundError) as exc:  # lapsed or taken meanwhile: not ours
+            log.debug("from zero: giving the origin lease back: %s", exc)
 
     def _go_on(self, what: str) -> None:
         if self.stop is not None and (self.stop.is_set() if isinstance(self.stop, threading.Event)

@@ -1,0 +1,70 @@
+"""From zero: the origin finishing between a target's two looks (READY sources, then the
+lease) must not make that target a second origin.
+
+The end-to-end tests (tests/storage/test_from_zero.py, three real vLLM engines in
+tests/engines/test_vllm_engine_from_zero.py) run this loop against the real control
+plane, where the interleaving below is a matter of timing: on a loaded 2-core CI machine
+the third of three engines once read the checkpoint from S3 again. Here the control
+plane is a stand-in that answers in exactly that order, with the real server's
+semantics (an origin turns its source READY, then releases the lease; a released lease
+is free to take and is released by a renewal with ``release=True``).
+"""
+
+from __future__ import annotations
+
+import time
+import types
+
+from modelexpress.errors import NotFoundError
+from modelexpress.p2p.options import PullOptions
+from modelexpress.p2p.zero import ZeroFetch, ZeroResult
+from modelexpress.wire import OriginLease
+
+
+class _ControlPlane:
+    """The first origin finishes right after this target's first look for READY sources."""
+
+    def __init__(self) -> None:
+        self.ready_looks = 0
+        self.acquired: list[int] = []
+        self.released: list[int] = []
+
+    def list_sources(self, identity, state):  # noqa: ANN001, ANN201 - MxClient's signature
+        assert state == "READY"
+        self.ready_looks += 1
+        # first look: the origin is still loading; after it: READY (it released the lease)
+        return [] if self.ready_looks == 1 else [object()]
+
+    def get_origin(self, identity):  # noqa: ANN001, ANN201
+        now = time.time()
+        return OriginLease(identity_id="i", acquired_at=now - 5, renewed_at=now,
+                           expires_at=now, ttl_s=10.0, holder="", generation=1, held=False)
+
+    def acquire_origin(self, identity, holder, ttl_s):  # noqa: ANN001, ANN201
+        now = time.time()
+        self.acquired.append(2)
+        return OriginLease(identity_id="i", acquired_at=now, renewed_at=now,
+                           expires_at=now + ttl_s, ttl_s=ttl_s, holder=holder, generation=2,
+                           held=True)
+
+    def renew_origin(self, identity, holder, generation, ttl_s, *, release=False, **_):  # noqa: ANN001, ANN003, ANN201
+        assert release, "a target that reads nothing renews nothing"
+        self.released.append(generation)
+        raise NotFoundError("released meanwhile")  # either way the lease is not ours
+
+
+def test_a_lease_won_after_the_origin_turned_ready_is_given_back_and_the_target_reads_the_peer(
+        monkeypatch) -> None:
+    plane = _ControlPlane()
+    identity = types.SimpleNamespace(model="m", id="i")
+    fetch = ZeroFetch(identity, storage=None, layout=None, client=plane,  # type: ignore[arg-type]
+                      opts=PullOptions(timeout_s=30.0), worker="w3")
+    peer = ZeroResult("peer", {}, 0, 0, 0.0, True)
+
+    def originate(lease):  # noqa: ANN001, ANN202
+        raise AssertionError("read storage although a READY source served the model")
+
+    monkeypatch.setattr(fetch, "_originate", originate)
+    monkeypatch.setattr(fetch, "_peer_pull", lambda: peer)
+    assert fetch._loop() is peer
+    assert plane.acquired == [2] and plane.released == [2]
