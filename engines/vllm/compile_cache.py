@@ -80,9 +80,9 @@ if TYPE_CHECKING:
 
 __all__ = ["KIND", "TRITON_KIND", "VLLM_TRITON_KIND", "CompileLayout", "CompileObserver",
            "artifact_identity", "MODELINFOS", "compile_disabled_reason", "config_drift",
-           "config_snapshot", "inductor_triton_files", "layout_of", "link_entries", "modelinfos_identity",
-           "platform_facts", "process_start_time", "software_facts", "triton_entries",
-           "vllm_triton_dir"]
+           "config_snapshot", "inductor_triton_files", "layout_of", "link_entries",
+           "modelinfos_identity", "platform_facts", "process_start_time", "software_facts",
+           "triton_entries", "vllm_triton_dir"]
 
 log = logging.getLogger(__name__)
 

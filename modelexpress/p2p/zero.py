@@ -368,10 +368,11 @@ class ZeroFetch:
                 except ConflictError:
                     continue  # another target won: follow it
                 if self._ready():
-                    # The origin before it finished between this loop's look for READY
-                    # sources and the lease (it turns READY, then releases): read from it,
-                    # not storage. Seen on a loaded 2-core CI machine: three engines
-                    # started together, the third read the checkpoint from S3 again.
+                    # The origin finished between this loop's look for READY sources
+                    # and its look at the lease (it turns its source READY, then releases
+                    # the lease): read from it, not from storage. Seen on a loaded 2-core
+                    # CI machine: of three engines started together, the third read the
+                    # checkpoint from S3 again.
                     self._give_back(won)
                     continue
                 try:

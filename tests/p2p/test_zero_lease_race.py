@@ -47,7 +47,8 @@ class _ControlPlane:
                            expires_at=now + ttl_s, ttl_s=ttl_s, holder=holder, generation=2,
                            held=True)
 
-    def renew_origin(self, identity, holder, generation, ttl_s, *, release=False, **_):  # noqa: ANN001, ANN003, ANN201
+    def renew_origin(self, identity, holder, generation, ttl_s,  # noqa: ANN001, ANN201
+                     *, release=False, **_):  # noqa: ANN001, ANN003
         assert release, "a target that reads nothing renews nothing"
         self.released.append(generation)
         raise NotFoundError("released meanwhile")  # either way the lease is not ours
