@@ -108,6 +108,42 @@ def test_install_maps_prefixes_keeps_modes_and_leaves_no_staging(tmp_path: pathl
     assert install_set(aset, blob, {"k": other}, {}).files == 0
 
 
+def test_every_staged_file_is_fsynced_before_anything_is_placed(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A power loss after the install leaves either no cache or a whole one: the files
+    are made durable in staging (fsynced from several threads) before the first link or
+    rename puts any of them where vLLM reads."""
+    files = [(f"c/shared/k{i}.so", bytes([i]) * (100 + i)) for i in range(40)]
+    aset, blob = _set(files + [("c/rank_0_0/model", b"aot")],
+                      units=(InstallUnit("k", "c/rank_0_0"),))
+    events: list[tuple[str, str]] = []
+    real_fsync, real_link, real_rename = os.fsync, os.link, os.rename
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+
+    def link(src, dst, *a, **kw) -> None:
+        events.append(("place", str(dst)))
+        real_link(src, dst, *a, **kw)
+
+    def rename(src, dst, *a, **kw) -> None:
+        events.append(("place", str(dst)))
+        real_rename(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(os, "rename", rename)
+    result = install_set(aset, blob, {"k": tmp_path})
+    assert result.outcome == "installed" and result.files == 41, result
+    kinds = [kind for kind, _ in events]
+    first_place = kinds.index("place")
+    synced = {pathlib.PurePath(path).name for kind, path in events[:first_place]
+              if kind == "fsync"}
+    assert synced == {pathlib.PurePath(f.path).name for f in aset.files}, synced
+    assert "fsync" not in kinds[first_place:]
+
+
 def test_two_kinds_installed_under_one_root_merge_without_replacing(tmp_path: pathlib.Path) -> None:
     """Triton's entries from a source's two Triton directories (two kinds) go to one
     directory on the target: both install, a file both carry is kept once."""
