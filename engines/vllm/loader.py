@@ -244,11 +244,15 @@ class MxModelLoader(BaseModelLoader):
             # The weights live in the arena's chunks: it lives as long as the model.
             # Collected with this frame, it unmapped them under a serving engine
             # (vLLM 0.26 on one H200: CUBLAS_STATUS_EXECUTION_FAILED in the first forward).
-            _arenas[model] = arena
+            keep_arena_with(model, arena)
         report.seconds = time.perf_counter() - start
         t_serve = time.perf_counter()
         report.serving = self._maybe_serve(model, identity, report, loaded, arena)
         report.phases["serve"] = time.perf_counter() - t_serve
+        # Its layout is published (or not) now. The step holds vLLM's config, whose
+        # forward context holds layers of this model: kept by the loader, they would
+        # outlive the model (and the arena their tensors live in).
+        self._layouts = None
         if not report.serving and self._nixl is not None:
             self._nixl.close()  # nothing serves: no idle agent for the process's lifetime
             self._nixl = None
@@ -748,9 +752,25 @@ def _vllm_config_context(vllm_config: VllmConfig) -> Iterator[None]:
 # finalizer runs when the model is collected, at interpreter exit (weakref.finalize's
 # atexit), or from stop_serving() before an in-place reload.
 _serving: "weakref.WeakKeyDictionary[nn.Module, weakref.finalize]" = weakref.WeakKeyDictionary()
-# model -> the VMM arena its weights live in (kept alive with the model)
+# module -> the VMM arena its tensors live in: every module of a model loaded in an
+# arena keeps it open (keep_arena_with)
 _arenas: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 _serving_lock = threading.Lock()
+
+
+def keep_arena_with(model: nn.Module, arena: Any) -> None:
+    """Keep ``arena`` open as long as any module of ``model`` lives.
+
+    Not only the model object: vLLM keeps some of its layers elsewhere too (attention
+    layers in the config's ``static_forward_context``, rotary embeddings in a cache
+    shared by models), and those can outlive the model. Had the arena closed with the
+    model, their tensors would point into unmapped memory: a later engine reusing a
+    cached layer would read it, and freeing them aborts the process (PyTorch: ``invalid
+    device pointer``). The price: such a layer keeps the arena's reservation, and the
+    chunks the caching allocator has not given back, until it goes.
+    """
+    for module in model.modules():
+        _arenas[module] = arena
 
 
 def _track_source(model: nn.Module, handle: Any, client: Any) -> None:

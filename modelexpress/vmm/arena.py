@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -269,6 +270,14 @@ class VmmArena(ClosedOnCollect):
         weakref.finalize(buf, _release_view, weakref.ref(self), va)
         flat = torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]
         return flat.view(dtype).view(dims)
+
+    def __del__(self) -> None:
+        # At interpreter exit the objects go in no set order: unmapping now would pull
+        # the memory from under tensors the interpreter has yet to free (PyTorch then
+        # aborts the exiting process). The process is ending: the driver unmaps.
+        if sys.is_finalizing():
+            return
+        super().__del__()
 
     def add_close_callback(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` at the start of ``close()`` (e.g. to release a MemPool's segments)."""

@@ -319,6 +319,51 @@ def test_arena_request_on_a_cpu_load_is_ignored_with_a_warning(
     torch.testing.assert_close(logits(model), reference, rtol=0, atol=0)
 
 
+def test_the_loader_keeps_neither_vllms_config_nor_its_layers_after_the_load(
+        model_dir) -> None:
+    """vLLM's config holds layers of the model (``static_forward_context``). A loader that
+    kept the config after ``load_model`` kept those layers, and on a GPU the tensors of
+    a model loaded in the VMM arena then outlived the arena: freeing them at exit
+    aborted the process (one H100, vLLM 0.26: ``invalid device pointer``)."""
+    import gc
+    import weakref
+
+    vc = make_vllm_config(model_dir, "mx", {"mx_pull": False, "mx_serve": False})
+    model, ours = _load(vc)
+    config = weakref.ref(vc)
+    gc.collect()
+    gc.disable()  # the config must go with its last reference, not in a collection later
+    try:
+        del vc, model
+        assert ours.last_report.source == "disk"  # the loader itself is still here
+        assert config() is None, [type(r).__name__ for r in gc.get_referrers(config())]
+    finally:
+        gc.enable()
+
+
+def test_an_arena_stays_open_while_any_layer_of_its_model_lives() -> None:
+    """A layer that outlives its model (kept in vLLM's forward context or rotary cache)
+    keeps the arena its tensors live in; the last one gone closes it."""
+    import gc
+    import weakref
+
+    from modelexpress.engines.vllm.loader import keep_arena_with
+    from modelexpress.vmm import HostVmmBackend, VmmArena
+
+    arena = VmmArena(1 << 30, backend=HostVmmBackend())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    keep_arena_with(model, arena)
+    kept, ref = model[1], weakref.ref(arena)
+    gc.disable()
+    try:
+        del arena, model
+        assert ref() is not None and not ref().closed
+        del kept
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.nixl
 def test_no_ready_source_loads_from_disk_then_serves(mx_env, model_dir, reference) -> None:
     from modelexpress.engines.vllm.loader import stop_serving

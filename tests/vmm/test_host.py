@@ -228,3 +228,18 @@ def test_export_chunks_gives_descriptors_of_the_same_pages(use_extension):
         arena.free(vas[0])
         assert [va for va, _, fd in arena.export_chunks() if os.close(fd) is None] == vas[1:]
     assert open_fds() == fds0
+
+
+def test_an_arena_collected_at_interpreter_exit_is_left_to_the_process_teardown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At exit the interpreter frees objects in no set order: an arena collected then
+    must not unmap memory that tensors still to be freed point into (on a GPU, PyTorch
+    aborts the exiting process: ``invalid device pointer``). Outside exit, collection
+    closes it."""
+    arena = VmmArena(1 << 30, backend=HostVmmBackend())
+    monkeypatch.setattr(sys, "is_finalizing", lambda: True)
+    arena.__del__()
+    assert not arena.closed
+    monkeypatch.undo()
+    arena.__del__()
+    assert arena.closed
