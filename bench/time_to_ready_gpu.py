@@ -25,9 +25,11 @@ one at a time, each in a fresh process (``tests/engines/vllm_gpu_llm.py``) with 
 of its own (``HOME``, ``TMPDIR`` and ``VLLM_CACHE_ROOT`` under its own directory: Triton's,
 inductor's, the CUDA driver's and vLLM's caches all start empty) unless its case says
 otherwise. A case that starts with another's caches runs with a copy of them standing at
-that engine's own ``VLLM_CACHE_ROOT`` path (vLLM 0.26 hashes the path into its compile
-key, so a copy under another path is a cold compile, not a restart); ``restart`` stops
-``mx-source`` first:
+that engine's own paths, its whole directory (vLLM 0.26 hashes its environment's paths
+into its compile key, ``VLLM_XLA_CACHE_PATH`` under HOME's ``.cache`` among them: a copy
+under another HOME is a cold compile, not a restart);
+``restart`` stops ``mx-source`` first. A warm case whose log says vLLM compiled again is
+reported as such (``warm_restart_invalid``) and no ratio is taken against it:
 
 =====================  =============================================================
 ``cold``               ``load_format=auto``, empty caches, page cache dropped
@@ -573,6 +575,9 @@ def _ours(text: str) -> dict[str, Any]:
                    copy_s=float(m.group(3)), copy_gbps=float(m.group(4)))
     m = re.search(r"compiled artifacts (hit|miss|refused|present)", text)
     out["artifacts"] = m.group(1) if m else None
+    # vLLM's own verdict on its compile cache: loaded, or compiled (and saved) afresh
+    out["compile_cache"] = ("loaded" if "Directly load AOT compilation" in text
+                            else "compiled" if "saved AOT compiled function" in text else None)
     m = re.search(r"installed (\d+) compiled-artifact files \(([\d.]+) MB\).* in ([\d.]+) s", text)
     if m:
         out.update(artifact_files=int(m.group(1)), artifact_mb=float(m.group(2)),
@@ -740,12 +745,12 @@ class Bench:
                 env_extra["MX_VMM_ARENA"] = "1"
         if case.load_format == "fastsafetensors":
             env_extra.update(self._cudart_for_fastsafetensors())
-        env = self.engine_env(dirs, env_extra)
-        if case.caches != "empty":
-            # vLLM 0.26 hashes VLLM_CACHE_ROOT's path into its compile key: a restart finds
-            # its compiled graphs only under the path they were written to. This engine's
-            # copy stands at that path while it runs (_standing_in).
-            env["VLLM_CACHE_ROOT"] = str(base.cache)
+        # vLLM 0.26 hashes the paths of its environment (VLLM_XLA_CACHE_PATH under
+        # XDG_CACHE_HOME, i.e. HOME, among them) into its compile key: a
+        # restart finds its compiled graphs only with the HOME they were written under.
+        # This engine's copy of the caches stands at the first engine's paths while it
+        # runs (_standing_in), HOME, TMPDIR and VLLM_CACHE_ROOT all.
+        env = self.engine_env(dirs if case.caches == "empty" else base, env_extra)
         _say(f"{case.name}: starting ({extra['caches']} caches, page cache "
              f"{extra['page_cache']})")
         from contextlib import ExitStack, nullcontext
@@ -756,7 +761,7 @@ class Bench:
 
                 stack.enter_context(weights_away(ckpt))
             if case.caches != "empty":
-                stack.enter_context(_standing_in(base.cache, dirs.cache))
+                stack.enter_context(_standing_in(base.root, dirs.root))
             sampler = stack.enter_context(GpuMemorySampler()) if self.device == "cuda" \
                 else stack.enter_context(nullcontext())
             engine = self.start_engine(case, dirs, env, config, serve=case.role == "source")
@@ -987,12 +992,18 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         "errors": {k: len(v.get("errors") or []) for k, v in ran.items()},
         "skipped": {k: v["skipped"] for k, v in cases.items() if "skipped" in v},
     }
+    # A warm restart that compiled again is no warm restart: its key differed (the
+    # engine's paths); no ratio is taken against it.
+    warm_valid = get("warm", "compile_cache") != "compiled"
+    if not warm_valid:
+        summary["warm_restart_invalid"] = ("the warm restart compiled again instead of "
+                                           "loading its compile cache")
     for target in (art, "mx-artifacts-arena"):
         if target not in ran:
             continue
         suffix = "" if target == art else "_arena"
-        summary[f"artifacts_over_warm{suffix}"] = _ratio(get(target, "ready_s"),
-                                                         get("warm", "ready_s"))
+        summary[f"artifacts_over_warm{suffix}"] = (
+            _ratio(get(target, "ready_s"), get("warm", "ready_s")) if warm_valid else None)
         summary[f"artifacts_over_cold{suffix}"] = _ratio(get(target, "ready_s"),
                                                          get("cold", "ready_s"))
         summary[f"loading_over_warm_page_cache{suffix}"] = _ratio(
