@@ -95,9 +95,38 @@ def test_the_copy_rate_is_the_weights_pull_not_the_small_pulls_before_it() -> No
     """An artifact target pulls vLLM's model-info cache (748 bytes) and its compiled set
     before the weights, over the same transport: the copy rate is the 16 GB pull's."""
     bench = _bench()
-    text = (RUN / "run3-logs" / "mx-artifacts.log").read_text()
+    text = (RUN / "run4-logs" / "mx-artifacts.log").read_text()
     out = bench._ours(text)
-    assert out["copy_bytes"] == 16062620160 and out["copy_gbps"] == 1358.7, out
+    assert out["copy_bytes"] == 16062620160 and out["copy_gbps"] == 1458.7, out
+
+
+def test_no_ratio_is_taken_against_a_warm_restart_that_compiled_again() -> None:
+    """In the H100 run at c9ce3f4 the `warm` engine compiled again (vLLM's compile key
+    hashed its own HOME's paths): its log says so, and the summary then says the warm
+    restart is invalid instead of comparing with it."""
+    bench = _bench()
+    logs = RUN / "run4-logs"
+    assert bench._ours((logs / "warm.log").read_text())["compile_cache"] == "compiled"
+    assert bench._ours((logs / "mx-artifacts.log").read_text())["compile_cache"] == "loaded"
+    tokens = [[1, 2, 3]]
+    results = {"device": "cuda", "d2d_gbps": 1000.0, "checkpoint": {"bytes": 16_060_000_000},
+               "cases": {
+                   "cold": {"ready_s": 100.0, "tokens": tokens, "model_loading_s": 6.0},
+                   "warm": {"ready_s": 60.0, "tokens": tokens, "model_loading_s": 4.0,
+                            "compile_cache": "compiled"},
+                   "mx-artifacts": {"ready_s": 40.0, "tokens": tokens, "model_loading_s": 1.5,
+                                    "warmup_after_graphs_s": 1.0, "copy_gbps": 950.0,
+                                    "vllm_model_loading_gib": 14.96,
+                                    "load_max_allocated_gib": 15.1, "artifacts": "hit",
+                                    "compile_cache": "loaded"}}}
+    _table, summary = bench.report(results)
+    assert summary["artifacts_over_warm"] is None and "compiled again" in \
+        summary["warm_restart_invalid"]
+    assert summary["goals"]["ready_le_0.85x_warm_restart"] is None
+    assert summary["artifacts_over_cold"] == 0.4
+    results["cases"]["warm"]["compile_cache"] = "loaded"
+    _table, summary = bench.report(results)
+    assert summary["artifacts_over_warm"] == 0.667 and "warm_restart_invalid" not in summary
 
 
 def test_a_restart_runs_its_copy_of_the_caches_at_the_path_they_were_written_to(
