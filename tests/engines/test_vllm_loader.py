@@ -319,7 +319,7 @@ def test_arena_request_on_a_cpu_load_is_ignored_with_a_warning(
     torch.testing.assert_close(logits(model), reference, rtol=0, atol=0)
 
 
-def test_the_loader_keeps_neither_vllms_config_nor_its_layers_after_the_load(
+def test_the_loader_does_not_keep_vllms_config_after_the_load(
         model_dir) -> None:
     """vLLM's config holds layers of the model (``static_forward_context``). A loader that
     kept the config after ``load_model`` kept those layers, and on a GPU the tensors of
