@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
+from modelexpress._durable import fsync_path
 from modelexpress._optional import require
 from modelexpress.errors import CheckpointError, ConfigError, OutputError, OutputExistsError
 
@@ -327,14 +328,6 @@ def _umask() -> int:
     return mask
 
 
-def _fsync(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(tensors: Mapping[str, "torch.Tensor"], path: str | os.PathLike[str],
                     shard_bytes: int = 2 << 30, *, overwrite: bool = False) -> list[pathlib.Path]:
     """Write tensors as a directory of safetensors shards of at most ``shard_bytes`` each.
@@ -389,12 +382,12 @@ def save_checkpoint(tensors: Mapping[str, "torch.Tensor"], path: str | os.PathLi
                 raise _write_error(current, exc) from exc
             del cpu
             os.chmod(current, 0o666 & ~mask)
-            _fsync(current)
-        _fsync(staging)
+            fsync_path(current)
+        fsync_path(staging)
         current = root
         _install(staging, root)
         staging = None
-        _fsync(root.parent)
+        fsync_path(root.parent)
     except OSError as exc:
         raise OutputError(f"cannot write checkpoint {root} ({current}): "
                           f"{exc.strerror or exc}{_hint(exc.errno)}", exc.errno) from exc

@@ -8,7 +8,7 @@
     guard   an exclusive unit (vLLM's rank directory) already exists
             -> "present": the engine has its own cache; nothing written
     stage   every file written under <root>/.mx-artifacts-staging-<id>/, then all
-            fsynced at once (a few threads: concurrent fsyncs share journal commits)
+            fsynced together (_durable.fsync_all: they share journal commits)
     place   loose files: os.link (fails if the name exists: never overwrites)
             non-exclusive units: one rename each, skipped if present
             exclusive units LAST, one rename each
@@ -32,9 +32,9 @@ import pathlib
 import shutil
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 
+from modelexpress._durable import fsync_all
 from modelexpress.artifacts.manifest import ArtifactFile, ArtifactSet, check_relative_path
 from modelexpress.errors import ArtifactRefusedError, OutputError
 
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".mx-artifacts-staging-"
 _STALE_STAGING_S = 3600.0
-_SYNC_THREADS = 16
 
 
 @dataclasses.dataclass
@@ -85,33 +84,6 @@ def verify_blob(aset: ArtifactSet, blob: memoryview) -> None:
             raise ArtifactRefusedError(
                 f"digest mismatch for artifact {f.kind}:{f.path} ({f.size} bytes): "
                 f"the set says {f.sha256[:16]}..., the bytes are {digest[:16]}...")
-
-
-def _fsync_all(paths: Sequence[pathlib.Path]) -> None:
-    """fsync every file in ``paths``; raises the first OSError.
-
-    One fsync per file, one after another: verifying and installing vLLM's 495-file set
-    at 8B took 0.37-0.55 s on one H100 host, inside the loader's call; with the fsyncs
-    issued from 16 threads, which the file system commits together, 0.16-0.20 s (498
-    files, same host). (``syncfs`` would be one call, but it also waits
-    for every other writer's dirty pages on that file system: a checkpoint being
-    downloaded beside the cache.)
-    """
-    def sync(path: pathlib.Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    if len(paths) < 2:
-        for path in paths:
-            sync(path)
-        return
-    with ThreadPoolExecutor(min(_SYNC_THREADS, len(paths)),
-                            thread_name_prefix="mx-artifacts-fsync") as pool:
-        for _ in pool.map(sync, paths):
-            pass
 
 
 def _map_path(path: str, prefixes: Mapping[str, str], mapping: Mapping[str, str]) -> str | None:
@@ -229,7 +201,7 @@ def install_set(aset: ArtifactSet, blob: memoryview, roots: Mapping[str, pathlib
                 os.close(fd)
             os.chmod(dst, f.mode & 0o777 or 0o644)  # the umask must not strip x bits
             written.append(dst)
-        _fsync_all(written)
+        fsync_all(written)
         # place loose files (not inside any unit): link, never replace. Triton's group
         # files (__grp__*.json) name a kernel's other files: they go after them.
         for f, full, rel in sorted(placed, key=lambda e: e[1].name.startswith("__grp__")):
