@@ -28,8 +28,9 @@ def fsync_all(paths: Sequence["str | os.PathLike[str]"]) -> None:
     (more than the CPUs: the threads wait on the disk); raises the first OSError.
 
     One fsync after another, verifying and installing vLLM's 495-file compiled set at
-    8B took 0.37-0.55 s on one H100 host, inside the loader's call; issued together,
-    which the file system commits together, 0.16-0.20 s (498 files, same host).
+    8B took 0.37-0.55 s inside the loader's call (one H100 host, commit 2dda64f);
+    issued together, which the file system commits together, 0.16-0.20 s (498 files,
+    an H100 host of the same kind in a later run, commit c9ce3f4).
     (``syncfs`` would be one call, but it also waits for every other writer's dirty
     pages on that file system: a checkpoint being downloaded beside the cache.)
     """
