@@ -534,12 +534,11 @@ def page_cache_residency(path: str | os.PathLike[str]) -> tuple[int, int]:
     import ctypes
     import mmap
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    # the libc bindings the host VMM backend declares (mmap/munmap with errno)
+    from modelexpress.vmm.host import _MAP_FAILED, _libc, _mmap, _munmap
+
+    mincore = _libc.mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     page = mmap.PAGESIZE
     resident = total = 0
     for file in checkpoint_files(path):
@@ -549,21 +548,21 @@ def page_cache_residency(path: str | os.PathLike[str]) -> tuple[int, int]:
             total += size
             if size == 0:
                 continue
-            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
+            addr = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, _MAP_FAILED):
                 err = ctypes.get_errno()
                 raise OSError(err, f"mmap of {file}: {os.strerror(err)}")
             try:
                 pages = -(-size // page)
                 vec = (ctypes.c_ubyte * pages)()
-                if libc.mincore(addr, size, vec) != 0:
+                if mincore(addr, size, vec) != 0:
                     err = ctypes.get_errno()
                     raise OSError(err, f"mincore of {file}: {os.strerror(err)}")
                 # the last page counts only for the file's bytes in it
                 n = sum(v & 1 for v in bytes(vec))
                 resident += n * page - (page * pages - size if vec[pages - 1] & 1 else 0)
             finally:
-                libc.munmap(addr, size)
+                _munmap(addr, size)
         finally:
             os.close(fd)
     return resident, total
