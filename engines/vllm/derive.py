@@ -44,9 +44,8 @@ def _checkpoint(model: str, server: str | None):  # noqa: ANN202
         from modelexpress.client import MxClient
         from modelexpress.settings import MxSettings
 
-        settings = MxSettings.load()
-        token = settings.server_token.get_secret_value() if settings.server_token else None
-        with MxClient(server, token=token) as client:
+        settings = MxSettings.load().model_copy(update={"server_url": server})
+        with MxClient.from_settings(settings) as client:
             for s in client.list_sources(model=model, state="READY"):
                 if s.layout_bytes:
                     return Layout.from_json(client.get_source(s.id).layout).checkpoint

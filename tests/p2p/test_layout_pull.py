@@ -173,3 +173,22 @@ def test_the_cli_writes_a_tp1_rank_it_assembled_from_tp2_sources(world, tmp_path
     assert set(written) == set(json.loads(layout.read_text())["tensors"])
     for name, t in written.items():
         assert torch.equal(t, reference[name]), name
+
+
+def test_derive_takes_the_checkpoint_table_from_a_ready_source_without_local_files(
+        world, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the model is no local checkpoint, ``derive`` reads the checkpoint's table from
+    a READY source that published a layout, through a client built from the settings
+    (token, timeout, retries) with ``--server``'s address."""
+    from layout_source import LAYOUT_MODEL
+
+    from modelexpress.engines.vllm import derive
+    from modelexpress.engines.vllm.layout_blocks import checkpoint_table
+    from modelexpress.errors import LayoutUnavailableError
+
+    monkeypatch.setenv("MX_SERVER_URL", "http://127.0.0.1:1")  # --server overrides it
+    monkeypatch.setenv("MX_SERVER_TOKEN", world.server.token or "")
+    table = derive._checkpoint(LAYOUT_MODEL, world.server.url)
+    assert [t.name for t in table] == [t.name for t in checkpoint_table(world.ckpt)]
+    with pytest.raises(LayoutUnavailableError, match="no READY source"):
+        derive._checkpoint("layout-tests/no-such-model", world.server.url)
