@@ -315,13 +315,11 @@ def _pull_across_layouts(model: str, out: pathlib.Path, layout_file: pathlib.Pat
     from modelexpress.checkpoint import check_output, save_checkpoint
     from modelexpress.errors import NoSourceError
     from modelexpress.layout import Layout
-    from modelexpress.p2p.layout_pull import pull_across_layouts
+    from modelexpress.p2p.layout_pull import device_refusal, pull_across_layouts
     from modelexpress.p2p.options import PullOptions
 
     settings = _settings(server, as_json)
     _check_device(device)
-    from modelexpress.p2p.layout_pull import device_refusal
-
     refused = device_refusal(device)
     if refused is not None:
         raise ConfigError(f"--layout with --device {device}: {refused}; pull to --device cpu")

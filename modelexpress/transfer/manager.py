@@ -580,13 +580,9 @@ class NixlTransferManager(ClosedOnCollect):
             IntegrityError: a digest differed; the message names the tensor(s).
             TransportError: a fallback was detected and ``refuse_slow_transport``.
         """
-        if max_inflight < 1 or deadline_s <= 0 or (stall_s is not None and stall_s <= 0):
-            raise ConfigError(f"max_inflight must be >= 1, deadline_s > 0 and stall_s > 0 or "
-                              f"None (got {max_inflight}, {deadline_s}, {stall_s})")
+        _check_read_limits(max_inflight, deadline_s, stall_s)
         peer = peer or manifest.agent_name
-        if peer not in self._peers:
-            raise PeerError(f"peer {peer!r} is not known to agent {self.name}; call "
-                            "add_peer(metadata) with the source's agent metadata first")
+        self._require_peer(peer)
         algo = manifest.digest_algorithm if verify else None
         warnings: list[str] = []
         if verify and algo is None:
@@ -636,12 +632,8 @@ class NixlTransferManager(ClosedOnCollect):
         Raises:
             As :meth:`read`, except ManifestMismatchError and IntegrityError.
         """
-        if max_inflight < 1 or deadline_s <= 0 or (stall_s is not None and stall_s <= 0):
-            raise ConfigError(f"max_inflight must be >= 1, deadline_s > 0 and stall_s > 0 or "
-                              f"None (got {max_inflight}, {deadline_s}, {stall_s})")
-        if peer not in self._peers:
-            raise PeerError(f"peer {peer!r} is not known to agent {self.name}; call "
-                            "add_peer(metadata) with the source's agent metadata first")
+        _check_read_limits(max_inflight, deadline_s, stall_s)
+        self._require_peer(peer)
         import numpy as np
 
         total_guess = int(np.asarray(local_descs, dtype=np.uint64).reshape(-1, 3)[:, 1].sum())
@@ -654,6 +646,11 @@ class NixlTransferManager(ClosedOnCollect):
                                refuse_slow_transport=refuse_slow_transport,
                                probe_bytes=probe_bytes, stall_s=stall_s, connect=True,
                                patient=False, warnings=[])
+
+    def _require_peer(self, peer: str) -> None:
+        if peer not in self._peers:
+            raise PeerError(f"peer {peer!r} is not known to agent {self.name}; call "
+                            "add_peer(metadata) with the source's agent metadata first")
 
     def _read_plan(self, plan: ReadPlan, local: Mapping[str, torch.Tensor], peer: str, *,
                    same_host: bool, algo: str | None, deadline_s: float,
@@ -720,9 +717,7 @@ class NixlTransferManager(ClosedOnCollect):
             ManifestMismatchError: names/dtypes/shapes/sizes differ.
             PeerError: ``peer`` was not added.
         """
-        if peer not in self._peers:
-            raise PeerError(f"peer {peer!r} is not known to agent {self.name}; call "
-                            "add_peer(metadata) with the source's agent metadata first")
+        self._require_peer(peer)
         self._ensure_local_registered(local)
         # One descriptor per piece: no coalescing, and no chunk limit that could split one.
         plan = self.plan(manifest, local, allow_partial=True, coalesce=False,
@@ -760,3 +755,9 @@ class NixlTransferManager(ClosedOnCollect):
             finally:
                 self._observer.close()
                 self._agent.close()
+
+
+def _check_read_limits(max_inflight: int, deadline_s: float, stall_s: float | None) -> None:
+    if max_inflight < 1 or deadline_s <= 0 or (stall_s is not None and stall_s <= 0):
+        raise ConfigError(f"max_inflight must be >= 1, deadline_s > 0 and stall_s > 0 or "
+                          f"None (got {max_inflight}, {deadline_s}, {stall_s})")
