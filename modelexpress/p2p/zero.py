@@ -472,7 +472,22 @@ class ZeroFetch:
         except ConflictError:
             self._wait("a holder to follow")  # the origin lapsed meanwhile
             return False
-        root = self.client.get_source(record.source_id)
+        try:
+            root = self.client.get_source(record.source_id)
+        except NotFoundError:
+            # The path's root withdrew between the plan and this look: an origin that
+            # finished withdraws its origin source once its engine serves the model (seen
+            # on a loaded 2-core CI machine: the second of three engines then fell back
+            # to a disk without weights). Look again: a READY source serves it now.
+            log.info("from zero: %s withdrew before it was read; looking again",
+                     record.source_id)
+            try:
+                self.client.finish_transfer(record.id, "FAILED",
+                                            error=f"{record.source_id} withdrew before it "
+                                                  "was read")
+            except MxError as exc:
+                log.debug("from zero: ending transfer %s: %s", record.id, exc)
+            return False
         manifest = manifest_of(root)
         self._check(manifest)
         holding.serve(relay_worker_id(self.worker, record.id), record)

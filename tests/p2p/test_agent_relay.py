@@ -35,7 +35,10 @@ def test_three_agents_claimed_together_form_a_chain_and_every_byte_is_the_origin
         patient_cluster: Cluster, tmp_path: pathlib.Path) -> None:
     cluster = patient_cluster
     _, published = cluster.source()
-    settings = MxSettings(ipc_dir="off")
+    # Rate-capped (about 7 s each for the 91 MB model): the planner chains a claim only
+    # behind transfers live at that moment, and uncapped the first agent once finished
+    # (0.14 s) before the third was claimed, which then read the origin directly.
+    settings = MxSettings(ipc_dir="off", transfer_max_gbps=0.1)
     clients = [MxClient(cluster.server.url, token=cluster.server.token,
                         timeout_s=CLIENT_TIMEOUT_S) for _ in range(3)]
     agents = [Agent(c, f"relay-agent-{i}", AgentOptions.from_settings(

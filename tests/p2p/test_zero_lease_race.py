@@ -1,5 +1,6 @@
 """From zero: the origin finishing between a target's two looks (READY sources, then the
-lease) must not make that target a second origin.
+lease) must not make that target a second origin; nor, when it withdraws its origin
+source between a target's plan and its read, fail that target's fetch.
 
 The end-to-end tests (tests/storage/test_from_zero.py, three real vLLM engines in
 tests/engines/test_vllm_engine_from_zero.py) run this loop against the real control
@@ -69,3 +70,30 @@ def test_a_lease_won_after_the_origin_turned_ready_is_given_back_and_the_target_
     monkeypatch.setattr(fetch, "_peer_pull", lambda: peer)
     assert fetch._loop() is peer
     assert plane.acquired == [2] and plane.released == [2]
+
+
+class _RootGone:
+    """The planned path's root (the origin's source) is withdrawn before the target
+    reads it: the origin finished and its engine serves the model now."""
+
+    def __init__(self) -> None:
+        self.finished: list[tuple[str, str]] = []
+
+    def start_transfer(self, identity, worker, **_):  # noqa: ANN001, ANN003, ANN201
+        return types.SimpleNamespace(id="t1", source_id="i:origin", relay_path=("s:i:origin",))
+
+    def get_source(self, source_id):  # noqa: ANN001, ANN201
+        raise NotFoundError(f"GET /v1/sources/{source_id}: HTTP 404: source not found")
+
+    def finish_transfer(self, transfer_id, state, **_):  # noqa: ANN001, ANN003, ANN201
+        self.finished.append((transfer_id, state))
+
+
+def test_a_path_whose_origin_withdrew_meanwhile_is_given_up_and_looked_for_again() -> None:
+    plane = _RootGone()
+    identity = types.SimpleNamespace(model="m", id="i")
+    fetch = ZeroFetch(identity, storage=None, layout=None, client=plane,  # type: ignore[arg-type]
+                      opts=PullOptions(timeout_s=30.0), worker="w2")
+    fetch.holding = types.SimpleNamespace()  # nothing held yet; never served from here
+    assert fetch._follow() is False  # not a NotFoundError out of the fetch: disk had none
+    assert plane.finished == [("t1", "FAILED")]
