@@ -689,6 +689,8 @@ def main() -> None:
                                         dict(kv.split("=", 1) for kv in args.env))
     result["wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(result))
+    if not args.workdir:  # a failed run keeps its directory, logs included
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

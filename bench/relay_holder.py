@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,7 @@ def main() -> None:
                 handle.close()
     finally:
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     plain, holder = (statistics.median(seconds[k]) for k in ("plain", "holder"))
     print(json.dumps({"bench": "relay_holder", "bytes": args.tensors * numel * 4,
                       "rounds": args.rounds, "plain_s": round(plain, 4),

@@ -42,6 +42,7 @@ import json
 import os
 import pathlib
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -258,6 +259,7 @@ def main() -> None:
         out["served"] = server.stats()["body_bytes"]
     finally:
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import shutil
 import stat
 import sys
 import tempfile
@@ -268,6 +269,8 @@ def test_a_signed_set_is_pulled_verified_and_installed(server, tmp_path, transpo
         assert again.outcome == "present", again
     finally:
         proc.stop()
+        if ipc != "off":
+            shutil.rmtree(ipc, ignore_errors=True)
 
 
 @pytest.mark.nixl
