@@ -1,12 +1,16 @@
 """The loader's compiled-artifact step: pull before vLLM compiles, serve once it has.
 
-Called by :class:`~modelexpress.engines.vllm.loader.MxModelLoader` at the end of
-``load_model`` (weights loaded, vLLM about to compile)::
+Made by :class:`~modelexpress.engines.vllm.loader.MxModelLoader` as soon as the model
+holds its weights (before post-processing; vLLM compiles after ``load_model``)::
 
     key <- MX_ARTIFACT_KEY                    none: "off", said once
     layout, facts, identity <- compile_cache  (where the cache is, what must match)
     target:  own rank dir present?  -> "present" (never mixed with a pulled one)
-             else pull_artifacts   -> installed | miss | refused | error
+             else fetch_artifacts  -> miss | refused | error, or the set's blob:
+             installed on a thread of its own (file I/O and hashing only) beside vLLM's
+             post-processing and the probe; the loader waits for it (wait_installed)
+             before anything that may start a NIXL agent -> installed | refused | error
+    loaded(pulled_weights): the weights' source is known (serving follows it)
     observer attached: vLLM's log records (compilation, then the engine warm)
              vLLM names its cache dir -> the set's Triton entries linked into the
                                          Triton dir vLLM is about to use (its thread)
@@ -42,7 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 from modelexpress.artifacts import (
     ArtifactKey,
+    PulledSet,
     buffer_from,
+    fetch_artifacts,
     pack_files,
     pull_artifacts,
     serve_packed,
@@ -113,20 +119,27 @@ class ArtifactReport:
 class ArtifactStep:
     """One rank's artifact work; keep it alive as long as the model (it serves).
 
+    Made on the loading thread once the model holds its weights: the set is chosen and
+    its blob pulled here, then installed on a thread of its own. The loader then calls
+    :meth:`wait_installed` (before anything that may start a NIXL agent: UCX installs
+    its memory hooks as one starts, see :class:`~modelexpress.p2p.readers.AgentStart`)
+    and, once it knows where the weights came from, :meth:`loaded`.
+
     Args:
         options: the loader's :class:`~modelexpress.engines.vllm.options.LoaderOptions`.
         client: makes a control-plane client (the loader's).
         manager: ``manager(create=True)``: the loader's NIXL manager (started if needed
             and ``create``; else None, and a pull makes its own if it needs NIXL).
         vllm_config, model, identity, device: the engine being loaded.
-        pulled_weights: the weights came from a peer (serving then follows
-            ``serve_after_pull``, as for weights).
     """
 
     def __init__(self, options: Any, client: Callable[[], Any], manager: Callable[[], Any],
                  vllm_config: "VllmConfig", model: "nn.Module", identity: "ModelIdentity",
-                 device: Any, *, pulled_weights: bool) -> None:
+                 device: Any) -> None:
         self.report = ArtifactReport()
+        self._installing: threading.Thread | None = None
+        self._rank = identity.rank
+        self._serve = False
         self._options = options
         self._new_client = client
         self._manager = manager
@@ -168,16 +181,45 @@ class ArtifactStep:
         self.identity = cc.artifact_identity(identity, self.layout, self.facts)
         self.report.identity_id = self.identity.id
         self._observer = cc.CompileObserver(on_backend_dir=self._on_backend_dir).attach()
-        self._serve = options.serve_after_pull if pulled_weights else options.serve
         if options.pull:
             self._pull()
         else:
             self.report.outcome, self.report.reason = "miss", "pull disabled (mx_pull=false)"
+
+    def wait_installed(self) -> None:
+        """Return once the pulled set is installed (or was not pulled). Idempotent."""
+        if self._installing is not None:
+            self._installing.join()
+            self._installing = None
+
+    def loaded(self, *, pulled_weights: bool) -> None:
+        """The load is done: judge (after vLLM compiled) and serve (once warm) from a
+        thread of its own. ``pulled_weights``: the weights came from a peer (serving
+        then follows ``serve_after_pull``, as for weights)."""
+        self.wait_installed()
+        if self.report.done.is_set():
+            return  # not applicable, or no key: nothing to judge or serve
+        self._serve = (self._options.serve_after_pull if pulled_weights
+                       else self._options.serve)
         threading.Thread(target=self._after_compile, daemon=True,
-                         name=f"mx-artifacts-r{identity.rank}").start()
+                         name=f"mx-artifacts-r{self._rank}").start()
 
     # --- target -------------------------------------------------------------------------
     def _pull(self) -> None:
+        """Choose a set and pull its blob here; install it on a thread of its own."""
+        t0 = time.perf_counter()
+        with self._new_client() as client:
+            got = fetch_artifacts(self.identity, key=self._key, client=client,
+                                  options=self._options.pull_options,
+                                  manager=self._manager(create=False), check_facts=self.facts)
+        if not isinstance(got, PulledSet):
+            self._pulled(got, t0)
+            return
+        self._installing = threading.Thread(target=self._install, args=(got, t0), daemon=True,
+                                            name=f"mx-artifacts-install-r{self._rank}")
+        self._installing.start()
+
+    def _install(self, got: PulledSet, t0: float) -> None:
         def mapping(aset: Any) -> dict[str, str]:
             # the source's config drift applied: the directory vLLM will compute here
             drift = json.loads(aset.facts.get(_DRIFT, "{}") or "{}")
@@ -185,13 +227,15 @@ class ArtifactStep:
             self._installed_dirs = [str(self.layout.cache_root / p) for p in prefixes.values()]
             return prefixes
 
-        t0 = time.perf_counter()
-        with self._new_client() as client:
-            result = pull_artifacts(self.identity, key=self._key, client=client,
-                                    options=self._options.pull_options,
-                                    roots=self.layout.roots, mapping=mapping,
-                                    manager=self._manager(create=False),
-                                    check_facts=self.facts)
+        try:
+            result = got.install(self.layout.roots, mapping)
+        except Exception as exc:  # noqa: BLE001 - an extra: the engine compiles as usual
+            log.warning("modelexpress: installing compiled artifacts failed", exc_info=True)
+            result = dataclasses.replace(got.pull, outcome="error",
+                                         reason=f"install failed: {type(exc).__name__}: {exc}")
+        self._pulled(result, t0)
+
+    def _pulled(self, result: Any, t0: float) -> None:
         r = self.report
         r.seconds = time.perf_counter() - t0
         r.outcome, r.reason, r.source_id = result.outcome, result.reason, result.source_id
@@ -208,7 +252,8 @@ class ArtifactStep:
                                       if f.kind in _TRITON_KINDS]
                 self._link_inductor_triton()
             log.info("modelexpress: installed %d compiled-artifact files (%.1f MB) for rank %d "
-                     "from source %s over %s in %.3f s (pull %.3f s, verify+install %.3f s)",
+                     "from source %s over %s in %.3f s (pull %.3f s, verify+install %.3f s, "
+                     "the install beside post-processing and the probe)",
                      result.files, result.bytes / 1e6, self.identity.rank, result.source_id,
                      result.transport, r.seconds, result.pull_seconds, result.install_seconds)
         elif result.outcome in ("refused", "error"):

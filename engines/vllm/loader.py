@@ -19,8 +19,10 @@ take the same path:
         else / after a failure:                             # disk
           fallback loader (vLLM's default) .load_weights    # + block digests (layout_step)
         loaded <- views of the parameters and buffers       # kept only to serve them
+        compiled artifacts: set pulled, installed on a thread  # artifacts.py
         process_weights_after_loading                       # vLLM's own, on every rank
         probe <- the model's output on a fixed input        # probe.py
+        (the artifacts' install waited for)
         target: probe != the source's -> log, count, re-create, load from disk
       serve_source(identity, loaded, probe, layout)         # source (and fan-out target)
 
@@ -111,7 +113,10 @@ class LoadReport:
             ``artifacts.done`` is set).
         phases: where ``load_model``'s wall time went, in seconds (``agent``, ``model``
             (vLLM's model construction), ``weights``, ``post_processing``, ``probe``,
-            ``serve``, ``artifacts``, ``other``); logged as one line.
+            ``serve``, ``artifacts``, ``other``); logged as one line. ``artifacts`` is
+            what the compiled artifacts added to it: choosing and pulling the set, and
+            waiting for its install where that outlasted post-processing and the probe
+            (``artifacts.seconds`` is the whole of it).
         zero: how the checkpoint was fetched when no peer held the model
             (``MX_MODEL_STORAGE``; :mod:`~modelexpress.engines.vllm.from_zero`): the
             ``ZeroResult`` summary (``role`` origin, follower or peer); ``source`` is then
@@ -179,6 +184,10 @@ class MxModelLoader(BaseModelLoader):
         self.last_report: LoadReport | None = None
         self._nixl: AgentStart | None = None
         self._layouts: LayoutStep | None = None
+        # (vllm_config, identity, device) of the load under way, until its artifact
+        # step is made (_start_artifacts); then that step.
+        self._artifacts_for: tuple[VllmConfig, Any, torch.device] | None = None
+        self._artifacts: ArtifactStep | None = None
 
     # --- BaseModelLoader ----------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -239,7 +248,17 @@ class MxModelLoader(BaseModelLoader):
             # This rank's layout (derived on a meta model when a path needs it).
             self._layouts = LayoutStep(self.options.cross_layout, vllm_config, model_config,
                                        self, device)
-            model, loaded = self._load(vllm_config, model_config, prefix, device, report)
+            self._artifacts_for, self._artifacts = (vllm_config, identity, device), None
+            report.phases["artifacts"] = 0.0
+            try:
+                model, loaded = self._load(vllm_config, model_config, prefix, device, report)
+            except BaseException:
+                if self._artifacts is not None:
+                    self._artifacts.close()  # its install was waited for (_finish)
+                    self._artifacts = None
+                raise
+            finally:
+                self._artifacts_for = None
         if arena is not None:
             # The weights live in the arena's chunks: it lives as long as the model.
             # Collected with this frame, it unmapped them under a serving engine
@@ -256,20 +275,14 @@ class MxModelLoader(BaseModelLoader):
         if not report.serving and self._nixl is not None:
             self._nixl.close()  # nothing serves: no idle agent for the process's lifetime
             self._nixl = None
-        # Compiled artifacts: pulled now (vLLM compiles after load_model returns), served
-        # once vLLM has compiled; the step lives as long as the model.
-        t_artifacts = time.perf_counter()
-        try:
-            step = ArtifactStep(self.options, self._client, self._manager, vllm_config, model,
-                                identity, device, pulled_weights=report.source == "peer")
-        except Exception as exc:  # noqa: BLE001 - artifacts are an extra; the engine compiles
-            logger.warning("modelexpress: compiled artifacts skipped (%s: %s); vLLM compiles "
-                           "as usual", type(exc).__name__, exc,
-                           exc_info=not isinstance(exc, MxError))
-        else:
+        # Compiled artifacts: pulled and installed while the weights were post-processed
+        # (vLLM compiles after load_model returns), served once vLLM has compiled; the
+        # step lives as long as the model.
+        step, self._artifacts = self._artifacts, None
+        if step is not None:
             weakref.finalize(model, step.close)
+            step.loaded(pulled_weights=report.source == "peer")
             report.artifacts = step.report
-        report.phases["artifacts"] = time.perf_counter() - t_artifacts
         phases = report.phases
         phases.update(weights=report.weights_seconds, post_processing=report.post_process_seconds,
                       probe=report.probe_seconds)
@@ -507,6 +520,8 @@ class MxModelLoader(BaseModelLoader):
                 tensors: dict[str, torch.Tensor] | None = None,
                 verified: tuple[str | None, Any] = (None, {})) -> _Loaded:
         """Post-process the freshly filled model; keep its loaded form if it will be served.
+        The compiled artifacts are pulled first and installed beside it (once per load:
+        :meth:`_start_artifacts`), and waited for before this returns.
 
         Args:
             keep: hold views of the loaded form (to serve it) and check, by digests
@@ -516,6 +531,22 @@ class MxModelLoader(BaseModelLoader):
             verified: ``(algorithm, name -> digest)`` the pull checked ``tensors``
                 against (``PullResult.digests``): reused instead of a second pass.
         """
+        self._start_artifacts(model, report)
+        try:
+            return self._finish_weights(model, model_config, device, report, keep=keep,
+                                        probe=probe, tensors=tensors, verified=verified)
+        finally:
+            # ORDER: before anything that may start a NIXL agent (serving, another path)
+            t0 = time.perf_counter()
+            if self._artifacts is not None:
+                self._artifacts.wait_installed()
+            report.phases["artifacts"] += time.perf_counter() - t0
+
+    def _finish_weights(self, model: nn.Module, model_config: ModelConfig,
+                        device: torch.device, report: LoadReport, *, keep: bool, probe: bool,
+                        tensors: dict[str, torch.Tensor] | None,
+                        verified: tuple[str | None, Any]) -> _Loaded:
+        """:meth:`_finish` but for the artifacts."""
         from modelexpress.transfer import digest as _digest
 
         loaded = _Loaded(tensors={})
@@ -547,6 +578,25 @@ class MxModelLoader(BaseModelLoader):
             loaded.probe = _probe.compute_probe(model)
             report.probe_seconds = loaded.probe.seconds
         return loaded
+
+    def _start_artifacts(self, model: nn.Module, report: LoadReport) -> None:
+        """Make this load's artifact step, once, now that ``model`` holds its weights: the
+        set is pulled here and installed on a thread of its own while the weights are
+        post-processed and probed (:meth:`_finish` waits for it). A failure costs only
+        the artifacts: vLLM compiles as usual."""
+        if self._artifacts_for is None:
+            return
+        vllm_config, identity, device = self._artifacts_for
+        self._artifacts_for = None
+        t0 = time.perf_counter()
+        try:
+            self._artifacts = ArtifactStep(self.options, self._client, self._manager,
+                                           vllm_config, model, identity, device)
+        except Exception as exc:  # noqa: BLE001 - artifacts are an extra; the engine compiles
+            logger.warning("modelexpress: compiled artifacts skipped (%s: %s); vLLM compiles "
+                           "as usual", type(exc).__name__, exc,
+                           exc_info=not isinstance(exc, MxError))
+        report.phases["artifacts"] += time.perf_counter() - t0
 
     def _check_probe(self, loaded: _Loaded, result: Any, report: LoadReport) -> None:
         """Compare the pulled model's probe with every serving source's; raise on mismatch."""

@@ -10,7 +10,8 @@ verifies and installs them before it compiles, and compiles nothing or little.
   below the settings that check the key at start-up.
 * ``install.py``: :func:`install_set`: verified, staged, renamed; never over a cache.
 * ``exchange.py``: :func:`pack_files`, :func:`buffer_from`, :func:`serve_packed`,
-  :func:`pull_artifacts`.
+  :func:`pull_artifacts` (or its two halves, :func:`fetch_artifacts` and
+  :meth:`PulledSet.install`, for a caller that installs beside other work).
 
 Engine-specific knowledge (where vLLM keeps its cache, what must match, whether the
 engine used the files) lives in the engine adapter
@@ -19,8 +20,9 @@ torch nor NIXL.
 """
 
 from modelexpress.artifacts.exchange import (ATTR_SET, ATTR_SIGNATURE, ATTR_VARIANTS, BLOB,
-                                             OUTCOMES, ArtifactPull, buffer_from, pack_files,
-                                             pull_artifacts, serve_packed, signed_payload)
+                                             OUTCOMES, ArtifactPull, PulledSet, buffer_from,
+                                             fetch_artifacts, pack_files, pull_artifacts,
+                                             serve_packed, signed_payload)
 from modelexpress.artifacts.install import InstallResult, install_set, verify_blob
 from modelexpress.artifacts.manifest import (ArtifactFile, ArtifactSet, InstallUnit,
                                              check_relative_path, collect_files)
@@ -39,8 +41,10 @@ __all__ = [
     "InstallResult",
     "InstallUnit",
     "OUTCOMES",
+    "PulledSet",
     "check_relative_path",
     "collect_files",
+    "fetch_artifacts",
     "install_set",
     "pack_files",
     "pull_artifacts",

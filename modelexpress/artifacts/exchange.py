@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from modelexpress.p2p import PullOptions, SourceHandle
 
 __all__ = ["ATTR_SET", "ATTR_SIGNATURE", "ATTR_VARIANTS", "BLOB", "OUTCOMES", "ArtifactPull",
-           "buffer_from", "pack_files", "pull_artifacts", "serve_packed", "signed_payload"]
+           "PulledSet", "buffer_from", "fetch_artifacts", "pack_files", "pull_artifacts",
+           "serve_packed", "signed_payload"]
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +230,60 @@ def pull_artifacts(identity: "ModelIdentity", *, key: ArtifactKey | None,
     Returns:
         An :class:`ArtifactPull`.
     """
+    got = fetch_artifacts(identity, key=key, client=client, options=options,
+                          manager=manager, check_facts=check_facts)
+    return got.install(roots, mapping) if isinstance(got, PulledSet) else got
+
+
+@dataclasses.dataclass
+class PulledSet:
+    """A set whose signature and facts were checked and whose blob is here, not yet
+    checked file by file nor installed (:func:`fetch_artifacts`)."""
+
+    aset: ArtifactSet
+    blob: Any
+    pull: ArtifactPull  # how the pull went (outcome ``installed`` until install says else)
+
+    def install(self, roots: Mapping[str, pathlib.Path],
+                mapping: PrefixMapping | None = None) -> ArtifactPull:
+        """Check every file against the signed sha256 and write them (``install.py``);
+        never raises on a refusal. ``roots``, ``mapping``: as for :func:`pull_artifacts`.
+        No NIXL, no control plane: file I/O and hashing only, so it may run on a thread
+        of its own beside other work."""
+        out, aset, blob = dataclasses.replace(self.pull), self.aset, self.blob
+        try:
+            if blob is None:
+                raise ArtifactRefusedError(f"the source's manifest has no {BLOB!r} tensor")
+            import numpy as np
+
+            raw = memoryview(np.ascontiguousarray(blob.cpu().numpy())).cast("B")
+            mine = mapping(aset) if callable(mapping) else mapping
+            installed = install_set(aset, raw, roots, mine)
+        except ArtifactRefusedError as exc:
+            out.outcome, out.reason = "refused", str(exc)
+            log.warning("artifacts: refused the set of source %s: %s", out.source_id, exc)
+            return out
+        except MxError as exc:
+            out.outcome, out.reason = "error", str(exc)
+            return out
+        out.install = installed
+        out.install_seconds = installed.seconds
+        out.files, out.bytes = installed.files, installed.bytes
+        if installed.outcome == "present":
+            out.outcome, out.reason = "present", installed.reason
+        else:
+            out.aset, out.blob = aset, blob
+        return out
+
+
+def fetch_artifacts(identity: "ModelIdentity", *, key: ArtifactKey | None,
+                    client: "MxClient", options: "PullOptions", manager: Any = None,
+                    check_facts: Mapping[str, str] | None = None
+                    ) -> "ArtifactPull | PulledSet":
+    """Steps 1-4 of :func:`pull_artifacts`: choose a source whose signed set checks out
+    and pull its blob. Returns the :class:`PulledSet` to install, or the
+    :class:`ArtifactPull` that ends it here (``off``, ``miss``, ``refused``, ``error``).
+    Arguments as for :func:`pull_artifacts`."""
     if key is None:
         return ArtifactPull("off", "no MX_ARTIFACT_KEY: compiled artifacts are not pulled")
     try:
@@ -290,29 +345,7 @@ def pull_artifacts(identity: "ModelIdentity", *, key: ArtifactKey | None,
     out = ArtifactPull("installed", source_id=info.id, kinds=tuple(aset.kinds),
                        pull_seconds=pull_seconds, transport=result.transport,
                        variants=len(groups))
-    try:
-        if blob is None:
-            raise ArtifactRefusedError(f"the source's manifest has no {BLOB!r} tensor")
-        import numpy as np
-
-        raw = memoryview(np.ascontiguousarray(blob.cpu().numpy())).cast("B")
-        mine = mapping(aset) if callable(mapping) else mapping
-        installed = install_set(aset, raw, roots, mine)
-    except ArtifactRefusedError as exc:
-        out.outcome, out.reason = "refused", str(exc)
-        log.warning("artifacts: refused the set of source %s: %s", info.id, exc)
-        return out
-    except MxError as exc:
-        out.outcome, out.reason = "error", str(exc)
-        return out
-    out.install = installed
-    out.install_seconds = installed.seconds
-    out.files, out.bytes = installed.files, installed.bytes
-    if installed.outcome == "present":
-        out.outcome, out.reason = "present", installed.reason
-    else:
-        out.aset, out.blob = aset, blob
-    return out
+    return PulledSet(aset, blob, out)
 
 
 def _by_content(ready: Sequence[Any]) -> list[list[Any]]:
