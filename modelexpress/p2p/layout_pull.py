@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from modelexpress.layout.readers import LayoutReader
     from modelexpress.transfer import Manifest, NixlTransferManager
 
-__all__ = ["AcrossLayouts", "LayoutSource", "device_refusal", "pull_across_layouts",
-           "layout_readers"]
+__all__ = ["AcrossLayouts", "GPU_DESTINATIONS", "LayoutSource", "device_refusal",
+           "layout_readers", "pull_across_layouts"]
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +89,24 @@ class AcrossLayouts:
     checked_as_landed: int = 0
 
 
+GPU_DESTINATIONS = False
+"""Whether a GPU destination may be filled across layouts. Off until the readers' device
+paths (a ``cuMemcpyAsync`` per run from a same-host source, NIXL READs into VRAM,
+``wsum-i32-v1`` block digests on the GPU) have passed on a GPU:
+``tests/p2p/test_layout_devices.py`` (``gpu`` marker) turns it on for its own pulls."""
+
+
 def device_refusal(device: "torch.device | str") -> str | None:
     """Why a destination on ``device`` cannot be filled across layouts, or None.
 
-    Host memory only, for now: the readers' device paths (a ``cuMemcpyAsync`` per run
-    from a same-host source, NIXL READs into VRAM, ``wsum-i32-v1`` block digests on the
-    GPU) have not run on a GPU, so a GPU destination is refused before anything is
-    asked of the control plane (a caller then pulls from its own layout or loads from
-    disk, as before).
+    Host memory only, for now (:data:`GPU_DESTINATIONS`): a GPU destination is refused
+    before anything is asked of the control plane (a caller then pulls from its own
+    layout or loads from disk, as before).
     """
     import torch
 
     kind = torch.device(device).type
-    if kind == "cpu":
+    if kind == "cpu" or (kind == "cuda" and GPU_DESTINATIONS):
         return None
     return (f"its load device is {device}: pulls across parallel layouts fill host memory "
             "only (GPU destinations are not supported yet)")

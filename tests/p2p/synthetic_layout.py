@@ -1,0 +1,102 @@
+"""A checkpoint and its tensor-parallel layouts written by hand, for pulls across layouts
+without vLLM's model classes.
+
+The GPU tests use it: the GPU host's vLLM build (0.26.0, CUDA) does not build models on
+the CPU the way ``tests/engines/vllm_layouts.py`` does with the CPU build, and what a
+pull into GPU memory exercises (the readers' device paths, block digests on the GPU)
+does not depend on which loader derived the layout. The layouts are those vLLM's loaders
+give (``tests/engines/test_vllm_layout.py`` derives the real ones): a merged qkv whose
+one KV head every rank holds, row-parallel ``o`` and ``down`` (columns split), a
+vocabulary padded to 64 and split, a replicated norm. The checkpoint's values come from
+a seed, so a source process and the test build the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from modelexpress.identity import ModelIdentity
+from modelexpress.layout import (BlockTable, CheckpointTensor, Fill, Layout, Piece, block_box,
+                                 blocks_in, grid_units)
+from modelexpress.transfer import digest as _digest
+
+MODEL = "layout-tests/synthetic"
+H, KV, INTER, VOCAB = 512, 128, 1024, 1000
+SLICED = {"q": {0}, "k": {0}, "v": {0}, "o": {1}, "down": {1}, "embed": {0}}
+SHAPES = {"q": (H, H), "k": (KV, H), "v": (KV, H), "o": (H, H), "down": (H, INTER),
+          "embed": (VOCAB, H), "norm": (H,)}
+
+
+def identity(tp: int, rank: int, dtype: str = "float32") -> ModelIdentity:
+    return ModelIdentity(model=MODEL, dtype=dtype, tp_size=tp, rank=rank,
+                         extra=(("test", "synthetic"),))
+
+
+def checkpoint(dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, on the CPU (the same bytes in every process)."""
+    gen = torch.Generator().manual_seed(1234)
+    return {name: torch.randn(shape, generator=gen).to(getattr(torch, dtype))
+            for name, shape in SHAPES.items()}
+
+
+def _rows(start: int, n: int, width: int) -> tuple[tuple[int, int], ...]:
+    return ((start, n), (0, width))
+
+
+def layout(tp: int, rank: int, dtype: str = "float32") -> Layout:
+    """Rank ``rank`` of ``tp``'s layout, without block digests (:func:`with_blocks`)."""
+    q = H // tp
+    per_vocab = -(-VOCAB // 64) * 64 // tp  # padded to 64, then split
+    v0 = rank * per_vocab
+    v_held = max(min(per_vocab, VOCAB - v0), 0)
+    pieces = (
+        Piece("qkv", _rows(0, q, H), "q", _rows(rank * q, q, H)),
+        Piece("qkv", _rows(q, KV, H), "k", _rows(0, KV, H)),
+        Piece("qkv", _rows(q + KV, KV, H), "v", _rows(0, KV, H)),
+        Piece("o", ((0, H), (0, H // tp)), "o", ((0, H), (rank * H // tp, H // tp))),
+        Piece("down", ((0, H), (0, INTER // tp)), "down",
+              ((0, H), (rank * INTER // tp, INTER // tp))),
+        Piece("embed", _rows(0, v_held, H), "embed", _rows(v0, v_held, H)),
+        Piece("norm", ((0, H),), "norm", ((0, H),)),
+    )
+    fills = ((Fill("embed", _rows(v_held, per_vocab - v_held, H), 0.0),)
+             if v_held < per_vocab else ())
+    tensors = {"qkv": ((q + 2 * KV, H), dtype), "o": ((H, H // tp), dtype),
+               "down": ((H, INTER // tp), dtype), "embed": ((per_vocab, H), dtype),
+               "norm": ((H,), dtype)}
+    ckpt = tuple(CheckpointTensor(name, shape, dtype) for name, shape in SHAPES.items())
+    return Layout(checkpoint=ckpt, tensors=tensors, pieces=pieces, fills=fills,
+                  tp_size=tp, rank=rank)
+
+
+def with_blocks(lay: Layout, ckpt: dict[str, torch.Tensor], device: str) -> Layout:
+    """``lay`` with the digests of the checkpoint blocks it touches, hashed on ``device``
+    as a source hashes them (``wsum-i32-v1`` on a GPU, ``xxh3-128-b1m`` on the CPU)."""
+    algorithm = _digest.WSUM if device.startswith("cuda") else _digest.XXH3_BLOCKS_1M
+    units = {name: grid_units(shape, SLICED.get(name, ())) for name, shape in SHAPES.items()}
+    digests: dict[str, dict[int, str]] = {}
+    for p in lay.pieces:
+        data = ckpt[p.ckpt].to(device)
+        wanted = sorted(blocks_in(p.src, SHAPES[p.ckpt], units[p.ckpt]))
+        views = [data[tuple(slice(s, s + n) for s, n in block_box(i, SHAPES[p.ckpt],
+                                                                   units[p.ckpt]))]
+                 for i in wanted]
+        digests.setdefault(p.ckpt, {}).update(zip(wanted, _digest.digest_many(views, algorithm)))
+    dtypes = {c.name: c.dtype for c in lay.checkpoint}
+    return lay.with_blocks(BlockTable(algorithm, units, dtypes, digests))
+
+
+def assemble(lay: Layout, ckpt: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+    """Write ``lay``'s pieces and fills of ``ckpt`` into ``out`` (its tensors, any device):
+    the rank's loaded form."""
+    for p in lay.pieces:
+        dst = out[p.tensor][tuple(slice(s, s + n) for s, n in p.dst)]
+        dst.copy_(ckpt[p.ckpt][tuple(slice(s, s + n) for s, n in p.src)].reshape(dst.shape))
+    for f in lay.fills:
+        out[f.tensor][tuple(slice(s, s + n) for s, n in f.dst)].fill_(f.value)
+
+
+def specs(lay: Layout) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of ``lay``'s tensors (for ``allocate_slab``)."""
+    return [(name, tuple(shape), getattr(torch, dtype))
+            for name, (shape, dtype) in lay.tensors.items()]

@@ -1,0 +1,161 @@
+"""Pulls across tensor-parallel layouts into each kind of memory, from sources in that kind.
+
+Three source processes (``synthetic_source.py``) serve ranks of a hand-written layout
+(``synthetic_layout.py``: merged qkv with one KV head on every rank, row-parallel
+weights, a padded vocabulary, a replicated norm; no vLLM): both ranks of TP=2 and the
+TP=1 rank, their tensors in one allocation on the device under test, their block
+digests hashed there. A real server ranks them; this process assembles a rank with
+:func:`~modelexpress.p2p.layout_pull.pull_across_layouts` into tensors on that device,
+over the local transport and over NIXL, in a VMM arena and not, and compares every byte
+with the checkpoint's slices.
+
+``host``: host memory (every run). ``gpu``: cuda:0, which needs a GPU (the ``gpu``
+marker: CI has none); pulls into GPU memory are off in the product until these pass
+(:data:`~modelexpress.p2p.layout_pull.GPU_DESTINATIONS`), so this module turns them on
+for its own pulls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
+import synthetic_layout as syn  # noqa: E402
+from mx_server_procs import ServerProc  # noqa: E402
+
+from modelexpress._subproc import ModuleProcess, clean_env  # noqa: E402
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+_HERE = pathlib.Path(__file__).resolve().parent
+_ARENA_BYTES = 256 << 20
+
+
+@dataclasses.dataclass
+class World:
+    device: str
+    server: ServerProc
+    ipc: str
+    sources: dict[str, str]
+
+    def client(self):  # noqa: ANN201
+        from modelexpress.client import MxClient
+
+        return MxClient(self.server.url, token=self.server.token, timeout_s=30.0)
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param("cpu", id="host"),
+    pytest.param("cuda:0", id="gpu", marks=pytest.mark.gpu),
+])
+def world(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    device = request.param
+    tmp = tmp_path_factory.mktemp(f"layout-{device.replace(':', '')}")
+    server = ServerProc(f"sqlite:///{tmp / 'mx.db'}", tmp,
+                        env={"MX_STALE_AFTER_S": "600"}).start()
+    ipc = tempfile.mkdtemp(prefix="mx-ipc-")
+    env = clean_env(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=server.token or "",
+                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="1", PYTHONPATH=str(_HERE))
+    procs = {name: ModuleProcess(["synthetic_source", str(tp), str(rank), device, name],
+                                 tmp / f"{name}.log", env)
+             for name, tp, rank in (("r0", 2, 0), ("r1", 2, 1), ("whole", 1, 0))}
+    try:
+        ids = {name: p.json_line(120)["source_id"] for name, p in procs.items()}
+        yield World(device, server, ipc, ids)
+    finally:
+        for p in procs.values():
+            p.stop()
+        server.stop()
+        shutil.rmtree(ipc, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_destinations(monkeypatch: pytest.MonkeyPatch) -> None:
+    from modelexpress.p2p import layout_pull
+
+    monkeypatch.setattr(layout_pull, "GPU_DESTINATIONS", True)
+
+
+@pytest.fixture
+def arena_for(world: World) -> Iterator:
+    """``arena_for(True)``: a VMM arena on the world's device (host: memfd chunks; GPU:
+    CUDA VMM); ``arena_for(False)``: None."""
+    from modelexpress.vmm import HostVmmBackend, VmmArena, maybe_enter_vmm_arena
+
+    opened = []
+
+    def make(wanted: bool):  # noqa: ANN202
+        if not wanted:
+            return None
+        if world.device == "cpu":
+            arena = VmmArena(_ARENA_BYTES, 0, HostVmmBackend())
+        else:
+            cm = maybe_enter_vmm_arena(True, torch.device(world.device).index or 0,
+                                       _ARENA_BYTES)
+            arena = cm.__enter__()
+            assert arena is not None, "no CUDA VMM arena on this GPU"
+            opened.append(cm)
+            return arena
+        opened.append(arena)
+        return arena
+
+    yield make
+    for thing in reversed(opened):
+        if hasattr(thing, "__exit__"):
+            thing.__exit__(None, None, None)
+        else:
+            thing.close()
+
+
+def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None):  # noqa: ANN001, ANN202
+    from modelexpress.local import LocalOptions
+    from modelexpress.p2p import PullOptions
+    from modelexpress.p2p.layout_pull import pull_across_layouts
+
+    target = syn.layout(tp, rank)
+    dest = {name: (arena.empty(shape, dtype) if arena is not None
+                   else torch.empty(shape, dtype=dtype, device=world.device))
+            for name, shape, dtype in syn.specs(target)}
+    for t in dest.values():
+        t.fill_(float("nan"))
+    options = PullOptions(local=LocalOptions(ipc_dir=world.ipc if local else "off"),
+                          worker_id=f"target-{tp}-{rank}-{local}-{arena is not None}",
+                          stall_s=60.0, timeout_s=120.0)
+    with world.client() as client:
+        out = pull_across_layouts(syn.identity(tp, rank), target, dest, client=client,
+                                  options=options)
+    expected = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in syn.specs(target)}
+    syn.assemble(target, syn.checkpoint(), expected)
+    for name, want in expected.items():
+        assert dest[name].device == torch.device(world.device), name
+        assert torch.equal(dest[name].cpu(), want), name
+    return out
+
+
+@pytest.mark.parametrize("arena", [False, True], ids=["plain", "arena"])
+@pytest.mark.parametrize("local", [True, False], ids=["local", "nixl"])
+def test_the_tp1_rank_from_both_tp2_ranks(world: World, arena_for, local: bool,  # noqa: ANN001
+                                          arena: bool) -> None:
+    out = _pull(world, 1, 0, local=local, arena=arena_for(arena))
+    ids = world.sources
+    # its own identity's source is for a same-layout pull, not this one
+    assert set(out.result.source_ids) == {ids["r0"], ids["r1"]}
+    assert out.result.verified and out.layout.tp_size == 1
+    assert (out.result.transport == "local") == local, out.result.transport
+    assert out.blocks.digests  # every block it assembled, checked
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local", "nixl"])
+def test_a_tp2_rank_from_the_tp1_source(world: World, local: bool) -> None:
+    out = _pull(world, 2, 1, local=local)
+    assert out.result.source_ids == (world.sources["whole"],)
+    assert (out.result.transport == "local") == local, out.result.transport
