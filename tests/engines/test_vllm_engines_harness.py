@@ -25,6 +25,7 @@ def test_tiny_llama_engine_greedy_is_repeatable_and_stop_leaves_nothing(
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= \
         {p.name for p in model.iterdir()}
     engine = Engine(model, name="harness", log_dir=tmp_path).start()
+    rpc_dir = pathlib.Path(engine.env["VLLM_RPC_BASE_PATH"])
     try:
         ready_s = engine.wait_ready()
         log.info("engine ready in %.1f s (log %s)", ready_s, engine.log_path)
@@ -35,6 +36,7 @@ def test_tiny_llama_engine_greedy_is_repeatable_and_stop_leaves_nothing(
         second = engine.complete("the quick brown fox", max_tokens=12, ignore_eos=True)
         assert first.strip(), f"empty completion {first!r}"
         assert first == second, (first, second)
+        assert any(p.is_socket() for p in rpc_dir.iterdir()), "vLLM put no socket there"
     finally:
         rc = engine.stop()
     log.info("engine exited with %s", rc)
@@ -47,3 +49,5 @@ def test_tiny_llama_engine_greedy_is_repeatable_and_stop_leaves_nothing(
                      engine.log_text())
     assert init is not None, engine.log_tail()
     assert not pathlib.Path(init.group(1)).exists()
+    # and the ZMQ sockets vLLM makes under VLLM_RPC_BASE_PATH (a killed process leaves its own)
+    assert not rpc_dir.exists()

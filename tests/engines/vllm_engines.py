@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -206,6 +207,7 @@ class Engine:
         # leftovers even after the server (their parent) has exited, and never
         # a reused pid (its create time differs).
         self._seen: dict[int, float] = {}
+        self._rpc_dir: str | None = None
 
     def _command(self, load_format: str, extra_args: Sequence[str]) -> list[str]:
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -243,6 +245,11 @@ class Engine:
         """
         if self.process is not None:
             raise RuntimeError(f"engine {self.name} was already started")
+        if "VLLM_RPC_BASE_PATH" not in self.env:
+            # vLLM's ZMQ sockets (ipc://<dir>/<uuid>) in a directory of this engine's, so
+            # that stop() removes them: those of killed processes stayed in the temp dir
+            self._rpc_dir = tempfile.mkdtemp(prefix="mx-vllm-rpc-")
+            self.env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.args)}\n".encode())
             log.flush()
@@ -406,7 +413,11 @@ class Engine:
             time.sleep(_POLL_S)
 
     def _remove_vllm_leftovers(self) -> None:
-        """Remove the rendezvous file and CPU-communicator segments of this engine only."""
+        """Remove the rendezvous file, CPU-communicator segments and ZMQ sockets of this
+        engine only."""
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
         for match in _DIST_INIT_RE.finditer(self.log_text()):
             path, ident = match.groups()
             leftovers = [pathlib.Path(path), *pathlib.Path("/dev/shm").glob(f"{ident}-*")]
