@@ -56,7 +56,8 @@ def checkpoint_identity(engine: ModelIdentity, dtype: str) -> ModelIdentity:
 
 def load_from_zero(model: "nn.Module", model_config: "ModelConfig", engine: ModelIdentity,
                    url: str, options: "PullOptions", client: Callable[[], "MxClient"],
-                   track: Callable[["nn.Module", set[str] | None], None]) -> "ZeroResult":
+                   track: Callable[["nn.Module", set[str] | None], None]
+                   ) -> tuple["ZeroResult", Callable[[], None]]:
     """Fetch the checkpoint at ``url`` from zero and load it into ``model`` with vLLM's own
     ``load_weights``.
 
@@ -70,9 +71,13 @@ def load_from_zero(model: "nn.Module", model_config: "ModelConfig", engine: Mode
         track: vLLM's check that every parameter was loaded (``track(model, names)``).
 
     Returns:
-        The fetch's result (its ``role``: origin, follower or peer). The checkpoint is
-        served to the engines still reading it from a background thread, for at most
-        ``MX_RELAY_LINGER_S``, then withdrawn.
+        The fetch's result (its ``role``: origin, follower or peer) and ``handoff``: call
+        it once this engine serves its loaded form, or will not (idempotent). Until then
+        the fetched checkpoint stays published, so that an engine that starts meanwhile
+        follows it instead of reading storage again: between the two sources this
+        engine post-processes, probes and installs its compiled artifacts. From the
+        handoff on, a background thread serves the engines still reading the checkpoint
+        for at most ``MX_RELAY_LINGER_S``, then withdraws it.
 
     Raises:
         MxError: storage or the fetch failed (the caller falls back to vLLM's loader).
@@ -111,9 +116,15 @@ def load_from_zero(model: "nn.Module", model_config: "ModelConfig", engine: Mode
                 time.perf_counter() - t0)
     # The engine goes on (post-processing, warm-up) while the engines behind this one
     # finish reading the checkpoint from it; nothing writes these tensors any more.
-    threading.Thread(target=_release, args=(result, mx), name="mx-zero-linger",
-                     daemon=True).start()
-    return result
+    handed = []
+
+    def handoff() -> None:
+        if not handed:
+            handed.append(True)
+            threading.Thread(target=_release, args=(result, mx), name="mx-zero-linger",
+                             daemon=True).start()
+
+    return result, handoff
 
 
 def _release(result: Any, client: Any) -> None:

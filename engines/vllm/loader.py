@@ -53,7 +53,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -188,6 +188,9 @@ class MxModelLoader(BaseModelLoader):
         # step is made (_start_artifacts); then that step.
         self._artifacts_for: tuple[VllmConfig, Any, torch.device] | None = None
         self._artifacts: ArtifactStep | None = None
+        # From zero: withdraws the fetched checkpoint once this engine serves its loaded
+        # form (from_zero.load_from_zero), or will not.
+        self._zero_handoff: Callable[[], None] | None = None
 
     # --- BaseModelLoader ----------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
@@ -256,6 +259,7 @@ class MxModelLoader(BaseModelLoader):
                 if self._artifacts is not None:
                     self._artifacts.close()  # its install was waited for (_finish)
                     self._artifacts = None
+                self._hand_off_zero()
                 raise
             finally:
                 self._artifacts_for = None
@@ -266,7 +270,10 @@ class MxModelLoader(BaseModelLoader):
             keep_arena_with(model, arena)
         report.seconds = time.perf_counter() - start
         t_serve = time.perf_counter()
-        report.serving = self._maybe_serve(model, identity, report, loaded, arena)
+        try:
+            report.serving = self._maybe_serve(model, identity, report, loaded, arena)
+        finally:
+            self._hand_off_zero()  # its loaded form is served now (or will not be)
         report.phases["serve"] = time.perf_counter() - t_serve
         # Its layout is published (or not) now. The step holds vLLM's config, whose
         # forward context holds layers of this model: kept by the loader, they would
@@ -497,9 +504,9 @@ class MxModelLoader(BaseModelLoader):
         attempt.touched = True  # load_weights writes into the model
         t0 = time.perf_counter()
         try:
-            result = load_from_zero(model, model_config, report.identity,
-                                    self.options.model_storage, self.options.pull_options,
-                                    self._client, track)
+            result, self._zero_handoff = load_from_zero(
+                model, model_config, report.identity, self.options.model_storage,
+                self.options.pull_options, self._client, track)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to vLLM's loader
             report.fallback_reason = f"from zero failed: {type(exc).__name__}: {exc}"
             logger.warning("modelexpress: fetching %s from %s failed, falling back to the %s "
@@ -597,6 +604,12 @@ class MxModelLoader(BaseModelLoader):
                            "as usual", type(exc).__name__, exc,
                            exc_info=not isinstance(exc, MxError))
         report.phases["artifacts"] += time.perf_counter() - t0
+
+    def _hand_off_zero(self) -> None:
+        """Let the checkpoint fetched from zero go (see ``load_from_zero``), if any."""
+        handoff, self._zero_handoff = self._zero_handoff, None
+        if handoff is not None:
+            handoff()
 
     def _check_probe(self, loaded: _Loaded, result: Any, report: LoadReport) -> None:
         """Compare the pulled model's probe with every serving source's; raise on mismatch."""
