@@ -42,6 +42,8 @@ callers catch our names only.
     ├── ShmArenaError                      shared-memory tensor arena (modelexpress.shm_arena)
     │   └── ShmSpaceError                  /dev/shm too small; says how much is free and needed
     ├── NoSourceError                      no READY source could serve a pull
+    ├── ServedElsewhereError               a fetch from zero stopped: the model turned READY in
+    │                                      another form (an engine's loaded form); pull that
     ├── LayoutUnavailableError             a model's layout cannot be derived; names the tensor and why
     ├── ArtifactRefusedError               a compiled-artifact set failed its signature, digests or paths
     └── WeightUpdateError                  an RL weight update failed; the engine kept its weights
@@ -83,6 +85,7 @@ __all__ = [
     "ShmArenaError",
     "ShmSpaceError",
     "NoSourceError",
+    "ServedElsewhereError",
     "LayoutUnavailableError",
     "ArtifactRefusedError",
     "WeightUpdateError",
@@ -236,6 +239,12 @@ class ShmSpaceError(ShmArenaError):
 
 class NoSourceError(MxError):
     """No READY source could serve a pull; the message lists why each was skipped."""
+
+
+class ServedElsewhereError(MxError):
+    """A fetch from zero gave its origin lease back without reading storage: the model
+    turned READY in another form meanwhile (``fetch(elsewhere=...)``); the caller pulls
+    that form instead."""
 
 
 class LayoutUnavailableError(MxError):

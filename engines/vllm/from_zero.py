@@ -56,7 +56,8 @@ def checkpoint_identity(engine: ModelIdentity, dtype: str) -> ModelIdentity:
 
 def load_from_zero(model: "nn.Module", model_config: "ModelConfig", engine: ModelIdentity,
                    url: str, options: "PullOptions", client: Callable[[], "MxClient"],
-                   track: Callable[["nn.Module", set[str] | None], None]
+                   track: Callable[["nn.Module", set[str] | None], None],
+                   elsewhere: Callable[[], bool] | None = None
                    ) -> tuple["ZeroResult", Callable[[], None]]:
     """Fetch the checkpoint at ``url`` from zero and load it into ``model`` with vLLM's own
     ``load_weights``.
@@ -69,6 +70,8 @@ def load_from_zero(model: "nn.Module", model_config: "ModelConfig", engine: Mode
         options: the loader's pull options.
         client: makes a control-plane client.
         track: vLLM's check that every parameter was loaded (``track(model, names)``).
+        elsewhere: True when a READY source of the engine's loaded form exists (asked
+            before this engine would read storage as the origin).
 
     Returns:
         The fetch's result (its ``role``: origin, follower or peer) and ``handoff``: call
@@ -80,6 +83,8 @@ def load_from_zero(model: "nn.Module", model_config: "ModelConfig", engine: Mode
         for at most ``MX_RELAY_LINGER_S``, then withdraws it.
 
     Raises:
+        ServedElsewhereError: ``elsewhere()`` said yes first; nothing was read (the caller
+            pulls the loaded form).
         MxError: storage or the fetch failed (the caller falls back to vLLM's loader).
     """
     from modelexpress.p2p.zero import fetch
@@ -101,7 +106,8 @@ def load_from_zero(model: "nn.Module", model_config: "ModelConfig", engine: Mode
                         "zero (%d tensors, %.3f GB; identity %s)", model_config.model,
                         storage.url, len(layout.tensors), layout.total_bytes / 1e9,
                         identity.id)
-            result = fetch(identity, storage, client=mx, options=options, layout=layout)
+            result = fetch(identity, storage, client=mx, options=options, layout=layout,
+                           elsewhere=elsewhere)
         t0 = time.perf_counter()
         loaded = model.load_weights(iter(result.tensors.items()))
         track(model, loaded)

@@ -66,7 +66,8 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_processin
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from modelexpress.errors import LayoutUnavailableError, MxError, ServerUnavailableError
+from modelexpress.errors import (LayoutUnavailableError, MxError, ServedElsewhereError,
+                                 ServerUnavailableError)
 from modelexpress.identity import ModelIdentity
 from modelexpress.p2p.readers import AgentStart
 from modelexpress.settings import MxSettings
@@ -506,7 +507,11 @@ class MxModelLoader(BaseModelLoader):
         try:
             result, self._zero_handoff = load_from_zero(
                 model, model_config, report.identity, self.options.model_storage,
-                self.options.pull_options, self._client, track)
+                self.options.pull_options, self._client, track,
+                elsewhere=lambda: self._ready_now(report.identity))
+        except ServedElsewhereError as exc:
+            logger.info("modelexpress: %s; pulling it", exc)
+            return self._try_pull(model, model_config, device, report, attempt)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to vLLM's loader
             report.fallback_reason = f"from zero failed: {type(exc).__name__}: {exc}"
             logger.warning("modelexpress: fetching %s from %s failed, falling back to the %s "
@@ -604,6 +609,14 @@ class MxModelLoader(BaseModelLoader):
                            "as usual", type(exc).__name__, exc,
                            exc_info=not isinstance(exc, MxError))
         report.phases["artifacts"] += time.perf_counter() - t0
+
+    def _ready_now(self, identity: Any) -> bool:
+        """A READY source of ``identity`` exists (a failed look says no)."""
+        try:
+            with self._client() as client:
+                return bool(client.list_sources(identity=identity, state="READY"))
+        except MxError:
+            return False
 
     def _hand_off_zero(self) -> None:
         """Let the checkpoint fetched from zero go (see ``load_from_zero``), if any."""

@@ -16,6 +16,8 @@ zero: the origin and its lease")::
       +- nobody holds the lease
             CONTEST: a holder defers to holders that are further ahead for a moment, so
             that the most advanced one (which holds every piece another holds) wins
+            won, but a READY source (of this identity, or ``elsewhere``: the model's
+                 loaded form) appeared meanwhile -> give the lease back [peer / raise]
             won  -> ORIGIN: verify the held prefix against the lease's digests, read the
                     rest from storage (StorageReader), serving each piece as it lands and
                     renewing the lease with the digests of what it read          [origin]
@@ -50,8 +52,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from modelexpress.errors import (ConflictError, IntegrityError, ManifestMismatchError, MxError,
-                                 NoSourceError, NotFoundError, TransferCancelledError,
-                                 TransferTimeoutError)
+                                 NoSourceError, NotFoundError, ServedElsewhereError,
+                                 TransferCancelledError, TransferTimeoutError)
 from modelexpress.p2p.options import PullOptions
 
 if TYPE_CHECKING:
@@ -289,10 +291,11 @@ class ZeroFetch:
     def __init__(self, identity: "ModelIdentity", storage: "Storage",
                  layout: "CheckpointLayout", client: "MxClient", opts: PullOptions,
                  worker: str, stop: "StopSignal | None" = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None,
+                 elsewhere: Callable[[], bool] | None = None) -> None:
         self.identity, self.storage, self.layout = identity, storage, layout
         self.client, self.opts, self.worker = client, opts, worker
-        self.stop, self.progress = stop, progress
+        self.stop, self.progress, self.elsewhere = stop, progress, elsewhere
         self.start = time.monotonic()
         self.end = self.start + opts.timeout_s
         self.holding: _Holding | None = None
@@ -375,6 +378,13 @@ class ZeroFetch:
                     # checkpoint from S3 again.
                     self._give_back(won)
                     continue
+                if self.elsewhere is not None and self.elsewhere():
+                    # The same race one level up: the origin's engine serves its loaded
+                    # form now and withdrew the checkpoint before this target looked.
+                    self._give_back(won)
+                    raise ServedElsewhereError(
+                        f"{self.identity.model} turned READY in another form while this "
+                        "target took the origin lease; storage not read")
                 try:
                     return self._originate(won)
                 except _Lost as exc:
@@ -775,7 +785,8 @@ class _Digests:
 def fetch(identity: "ModelIdentity", storage: "Storage", *, client: "MxClient",
           options: PullOptions | None = None, layout: "CheckpointLayout | None" = None,
           worker_id: str | None = None, progress: Callable[[int, int], None] | None = None,
-          stop: "StopSignal | None" = None) -> ZeroResult:
+          stop: "StopSignal | None" = None,
+          elsewhere: Callable[[], bool] | None = None) -> ZeroResult:
     """Fetch ``identity``'s checkpoint: from READY peers, from its loading origin's fleet,
     or, as the origin, from ``storage`` (module docstring).
 
@@ -788,6 +799,9 @@ def fetch(identity: "ModelIdentity", storage: "Storage", *, client: "MxClient",
         worker_id: this target's worker id (default ``zero-<host>-<pid>-<random>``).
         progress: ``progress(bytes_done, bytes_total)``.
         stop: honoured between pieces.
+        elsewhere: True when the model is READY in another form (an engine's loaded
+            form, which its engine serves once the checkpoint it fetched is loaded):
+            asked before this target reads storage as the origin.
 
     Returns:
         A :class:`ZeroResult`; call its ``release()`` once the tensors are used.
@@ -799,13 +813,15 @@ def fetch(identity: "ModelIdentity", storage: "Storage", *, client: "MxClient",
         TransferCancelledError: ``stop``.
         IntegrityError: received tensors differ from storage's digests even when read
             again.
+        ServedElsewhereError: ``elsewhere()`` said yes where this target would have read
+            storage (the lease was given back).
     """
     from modelexpress.p2p.source import default_worker_id
     from modelexpress.storage import read_layout
 
     run = ZeroFetch(identity, storage, layout or read_layout(storage), client,
                     options or PullOptions(), worker_id or default_worker_id("zero"), stop,
-                    progress)
+                    progress, elsewhere)
     try:
         run.prepare()
     except BaseException:

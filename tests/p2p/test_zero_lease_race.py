@@ -1,6 +1,8 @@
 """From zero: the origin finishing between a target's two looks (READY sources, then the
-lease) must not make that target a second origin; nor, when it withdraws its origin
-source between a target's plan and its read, fail that target's fetch.
+lease) must not make that target a second origin, nor must the model turning READY in
+another form (the origin's engine serving its loaded form) at that moment; nor, when it
+withdraws its origin source between a target's plan and its read, fail that target's
+fetch.
 
 The end-to-end tests (tests/storage/test_from_zero.py, three real vLLM engines in
 tests/engines/test_vllm_engine_from_zero.py) run this loop against the real control
@@ -16,7 +18,9 @@ from __future__ import annotations
 import time
 import types
 
-from modelexpress.errors import NotFoundError
+import pytest
+
+from modelexpress.errors import NotFoundError, ServedElsewhereError
 from modelexpress.p2p.options import PullOptions
 from modelexpress.p2p.zero import ZeroFetch, ZeroResult
 from modelexpress.wire import OriginLease
@@ -97,3 +101,53 @@ def test_a_path_whose_origin_withdrew_meanwhile_is_given_up_and_looked_for_again
     fetch.holding = types.SimpleNamespace()  # nothing held yet; never served from here
     assert fetch._follow() is False  # not a NotFoundError out of the fetch: disk had none
     assert plane.finished == [("t1", "FAILED")]
+
+
+class _NothingReady(_ControlPlane):
+    """No READY source of the checkpoint at any look, the lease free: a target would
+    read storage, but for ``elsewhere``."""
+
+    def list_sources(self, identity, state):  # noqa: ANN001, ANN201 - MxClient's signature
+        assert state == "READY"
+        self.ready_looks += 1
+        return []
+
+    def renew_origin(self, identity, holder, generation, ttl_s,  # noqa: ANN001, ANN201
+                     *, release=False, **_):  # noqa: ANN001, ANN003
+        assert release, "a target that reads nothing renews nothing"
+        self.released.append(generation)
+
+
+def test_a_lease_won_after_the_model_turned_ready_in_another_form_is_given_back(
+        monkeypatch) -> None:
+    """The origin's engine withdrew the checkpoint once it served its loaded form: this
+    target saw neither, won the lease, and is told by ``elsewhere`` before it reads."""
+    plane = _NothingReady()
+    identity = types.SimpleNamespace(model="m", id="i")
+    asked: list[int] = []
+
+    def elsewhere() -> bool:
+        asked.append(plane.ready_looks)
+        return True
+
+    fetch = ZeroFetch(identity, storage=None, layout=None, client=plane,  # type: ignore[arg-type]
+                      opts=PullOptions(timeout_s=30.0), worker="w2", elsewhere=elsewhere)
+
+    def originate(lease):  # noqa: ANN001, ANN202
+        raise AssertionError("read storage although the loaded form was READY")
+
+    monkeypatch.setattr(fetch, "_originate", originate)
+    with pytest.raises(ServedElsewhereError, match="READY in another form"):
+        fetch._loop()
+    # asked once, after the lease was won and the checkpoint's sources looked at again
+    assert asked == [2] and plane.acquired == [2] and plane.released == [2]
+
+
+def test_without_elsewhere_the_winner_of_a_free_lease_reads_storage(monkeypatch) -> None:
+    plane = _NothingReady()
+    identity = types.SimpleNamespace(model="m", id="i")
+    fetch = ZeroFetch(identity, storage=None, layout=None, client=plane,  # type: ignore[arg-type]
+                      opts=PullOptions(timeout_s=30.0), worker="w2")
+    origin = ZeroResult("origin", {}, 0, 0, 0.0, True)
+    monkeypatch.setattr(fetch, "_originate", lambda lease: origin)
+    assert fetch._loop() is origin and plane.released == []
