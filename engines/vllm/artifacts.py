@@ -228,12 +228,13 @@ class ArtifactStep:
             return prefixes
 
         try:
-            result = got.install(self.layout.roots, mapping)
-        except Exception as exc:  # noqa: BLE001 - an extra: the engine compiles as usual
+            self._pulled(got.install(self.layout.roots, mapping), t0)
+        except Exception as exc:  # noqa: BLE001 - its own thread; an extra: vLLM compiles
             log.warning("modelexpress: installing compiled artifacts failed", exc_info=True)
-            result = dataclasses.replace(got.pull, outcome="error",
-                                         reason=f"install failed: {type(exc).__name__}: {exc}")
-        self._pulled(result, t0)
+            self._installed = None
+            self.report.outcome = "error"
+            self.report.reason = f"install failed: {type(exc).__name__}: {exc}"
+            self._count("error")
 
     def _pulled(self, result: Any, t0: float) -> None:
         r = self.report
