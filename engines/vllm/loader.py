@@ -153,6 +153,10 @@ class _Loaded:
     unservable: str | None = None  # why these tensors no longer hold the loaded form
 
 
+_SERVED_ELSEWHERE = object()
+"""``_try_zero``: the loaded form turned READY as this engine took the origin lease."""
+
+
 class _ProbeMismatch(MxError):
     """The pulled model computes differently from its source."""
 
@@ -335,7 +339,25 @@ class MxModelLoader(BaseModelLoader):
                 if loaded is not None:
                     return model, loaded
             if self.options.model_storage:
+                if attempt.touched:
+                    # the pull wrote into it (post-processed it, if the probe rejected it):
+                    # vLLM's load_weights over the fetched checkpoint needs a fresh model
+                    model = self._recreate(model, vllm_config, model_config, prefix, device,
+                                           report, registrations)
+                    attempt.touched = False
                 loaded = self._try_zero(model, model_config, device, report, attempt)
+                if loaded is _SERVED_ELSEWHERE:
+                    # An engine of this identity turned READY while this one took the
+                    # origin lease: pull its loaded form; should that fail too, fetch from
+                    # zero after all (storage then, rather than a disk that may be empty).
+                    loaded = self._try_pull(model, model_config, device, report, attempt)
+                    if loaded is None:
+                        if attempt.touched:
+                            model = self._recreate(model, vllm_config, model_config, prefix,
+                                                   device, report, registrations)
+                            attempt.touched = False
+                        loaded = self._try_zero(model, model_config, device, report, attempt,
+                                                ask_elsewhere=False)
                 if loaded is not None:
                     return model, loaded
             if attempt.touched:
@@ -488,10 +510,13 @@ class MxModelLoader(BaseModelLoader):
         return loaded
 
     def _try_zero(self, model: nn.Module, model_config: ModelConfig, device: torch.device,
-                  report: LoadReport, attempt: "_PullAttempt") -> _Loaded | None:
+                  report: LoadReport, attempt: "_PullAttempt", *, ask_elsewhere: bool = True
+                  ) -> "_Loaded | None | object":
         """Fill ``model`` from the checkpoint fetched from zero (``MX_MODEL_STORAGE``:
         :mod:`~modelexpress.engines.vllm.from_zero`) and post-process it; None (reason in
-        ``report``) on failure."""
+        ``report``) on failure; ``_SERVED_ELSEWHERE`` when, with ``ask_elsewhere``, a
+        source of this engine's identity turned READY just as it would have read storage
+        (nothing read: pull that)."""
         from modelexpress.engines.vllm.from_zero import load_from_zero
 
         def track(built: nn.Module, names: set[str] | None) -> None:
@@ -508,10 +533,11 @@ class MxModelLoader(BaseModelLoader):
             result, self._zero_handoff = load_from_zero(
                 model, model_config, report.identity, self.options.model_storage,
                 self.options.pull_options, self._client, track,
-                elsewhere=lambda: self._ready_now(report.identity))
+                elsewhere=(lambda: self._ready_now(report.identity)) if ask_elsewhere else None)
         except ServedElsewhereError as exc:
             logger.info("modelexpress: %s; pulling it", exc)
-            return self._try_pull(model, model_config, device, report, attempt)
+            attempt.touched = False  # nothing was written into the model (fresh before)
+            return _SERVED_ELSEWHERE
         except Exception as exc:  # noqa: BLE001 - any failure falls back to vLLM's loader
             report.fallback_reason = f"from zero failed: {type(exc).__name__}: {exc}"
             logger.warning("modelexpress: fetching %s from %s failed, falling back to the %s "

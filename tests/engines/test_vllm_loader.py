@@ -520,6 +520,53 @@ def test_pull_failing_midway_falls_back_and_recreates(mx_env, model_dir, tmp_pat
         source.stop()
 
 
+@pytest.mark.nixl
+@pytest.mark.slow
+def test_a_target_that_wins_the_origin_lease_as_a_source_turns_ready_pulls_that(
+        mx_env, model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """From zero (``mx_model_storage``), the race of engines started together: this
+    target looked for a READY source of its loaded form just before one was published
+    (its first look is made to miss the source process here: that is the timing), then
+    took the origin lease of the checkpoint. Before reading storage it looks again,
+    finds the loaded form READY, gives the lease back and pulls that."""
+    from modelexpress.engines.vllm import loader as mx_loader
+    from modelexpress.engines.vllm.from_zero import checkpoint_identity
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, seed=5)
+    source = SourceProc(ckpt, mx_env, tmp_path)
+    real = mx_loader.MxModelLoader._try_pull
+    looks: list[int] = []
+
+    def first_look_misses(self, model, model_config, device, report, attempt):  # noqa: ANN001, ANN202
+        looks.append(1)
+        if len(looks) == 1:
+            report.fallback_reason = "no READY source (looked just before it was published)"
+            return None
+        return real(self, model, model_config, device, report, attempt)
+
+    monkeypatch.setattr(mx_loader.MxModelLoader, "_try_pull", first_look_misses)
+    try:
+        with caplog.at_level(logging.INFO, logger="modelexpress"):
+            model, ours = _load(make_vllm_config(ckpt, "mx", {
+                "mx_model_storage": str(ckpt), "mx_serve": False,
+                "mx_serve_after_pull": False}))
+        report = ours.last_report
+        assert report.source == "peer" and report.zero is None, report.fallback_reason
+        assert len(looks) == 2 and not report.recreated
+        assert tensor_checksums(model) == source.info["checksums"]
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("turned READY in another form" in m and "storage not read" in m
+                   for m in messages), messages
+        assert not any("reading" in m and "from 0 of" in m for m in messages)  # no origin
+        with _client(mx_env) as client:  # the lease it won was given back
+            lease = client.get_origin(checkpoint_identity(report.identity, "float32"))
+            assert not lease.held and lease.generation == 1, lease
+    finally:
+        source.stop()
+
+
 @pytest.mark.gpu
 @pytest.mark.nixl
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The vLLM loader digests a pulled loaded form once: the pull verified its bytes against
 the source's digests (``PullResult.digests``), and ``_finish`` reuses those for the
-check around post-processing and for the source it serves, instead of a second pass.
+check around post-processing and for the source it serves, instead of a second pass
+(``_finish_weights``: ``_finish`` less the compiled artifacts beside it).
 
 The pull's algorithm here is blake2b while a fresh pass on CPU tensors would pick
 xxh3, so the algorithm kept says which digests were used.
@@ -21,12 +22,12 @@ def _finish(model, verified):  # noqa: ANN001, ANN202
     from modelexpress.engines.vllm.loader import MxModelLoader
     from modelexpress.engines.vllm.tensors import collect_loaded_tensors
 
-    loader = object.__new__(MxModelLoader)  # _finish uses no loader state
+    loader = object.__new__(MxModelLoader)  # _finish_weights uses no loader state
     report = types.SimpleNamespace(post_process_seconds=0.0, probe_seconds=0.0)
     tensors = collect_loaded_tensors(model)
     config = types.SimpleNamespace(quantization=None, word_embeddings_untied_by_checkpoint=False)
-    return loader._finish(model, config, torch.device("cpu"), report, keep=True, probe=False,
-                          tensors=tensors, verified=verified), tensors
+    return loader._finish_weights(model, config, torch.device("cpu"), report, keep=True,
+                                  probe=False, tensors=tensors, verified=verified), tensors
 
 
 def _model():  # noqa: ANN202
