@@ -91,7 +91,7 @@ def arena_for(world: World) -> Iterator:
     CUDA VMM); ``arena_for(False)``: None."""
     from modelexpress.vmm import HostVmmBackend, VmmArena, maybe_enter_vmm_arena
 
-    opened = []
+    routings, arenas = [], []
 
     def make(wanted: bool):  # noqa: ANN202
         if not wanted:
@@ -99,21 +99,23 @@ def arena_for(world: World) -> Iterator:
         if world.device == "cpu":
             arena = VmmArena(_ARENA_BYTES, 0, HostVmmBackend())
         else:
-            cm = maybe_enter_vmm_arena(True, torch.device(world.device).index or 0,
-                                       _ARENA_BYTES)
-            arena = cm.__enter__()
+            # as the vLLM loader does: this thread's CUDA allocations go to the arena
+            # until the block ends; the arena itself stays open until closed
+            routing = maybe_enter_vmm_arena(True, torch.device(world.device).index or 0,
+                                            _ARENA_BYTES)
+            arena = routing.__enter__()
             assert arena is not None, "no CUDA VMM arena on this GPU"
-            opened.append(cm)
-            return arena
-        opened.append(arena)
+            routings.append(routing)
+        arenas.append(arena)
         return arena
 
     yield make
-    for thing in reversed(opened):
-        if hasattr(thing, "__exit__"):
-            thing.__exit__(None, None, None)
-        else:
-            thing.close()
+    for routing in routings:  # the routing ends before its arena closes
+        routing.__exit__(None, None, None)
+    if routings:
+        torch.cuda.synchronize()
+    for arena in arenas:
+        arena.close()
 
 
 def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None):  # noqa: ANN001, ANN202
