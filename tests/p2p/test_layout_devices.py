@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -29,9 +27,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
 import synthetic_layout as syn  # noqa: E402
+from layout_world import layout_sources  # noqa: E402
 from mx_server_procs import ServerProc  # noqa: E402
-
-from modelexpress._subproc import ModuleProcess, clean_env  # noqa: E402
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -60,22 +57,10 @@ def world(request: pytest.FixtureRequest,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     device = request.param
     tmp = tmp_path_factory.mktemp(f"layout-{device.replace(':', '')}")
-    server = ServerProc(f"sqlite:///{tmp / 'mx.db'}", tmp,
-                        env={"MX_STALE_AFTER_S": "600"}).start()
-    ipc = tempfile.mkdtemp(prefix="mx-ipc-")
-    env = clean_env(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=server.token or "",
-                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="1", PYTHONPATH=str(_HERE))
-    procs = {name: ModuleProcess(["synthetic_source", str(tp), str(rank), device, name],
-                                 tmp / f"{name}.log", env)
-             for name, tp, rank in (("r0", 2, 0), ("r1", 2, 1), ("whole", 1, 0))}
-    try:
-        ids = {name: p.json_line(120)["source_id"] for name, p in procs.items()}
+    commands = {name: ["synthetic_source", str(tp), str(rank), device, name]
+                for name, tp, rank in (("r0", 2, 0), ("r1", 2, 1), ("whole", 1, 0))}
+    with layout_sources(tmp, commands, pythonpath=str(_HERE), ready_s=120) as (server, ipc, ids):
         yield World(device, server, ipc, ids)
-    finally:
-        for p in procs.values():
-            p.stop()
-        server.stop()
-        shutil.rmtree(ipc, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

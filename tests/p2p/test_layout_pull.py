@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -28,9 +27,10 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "engines"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "server"))
 from layout_source import identity  # noqa: E402
+from layout_world import layout_sources  # noqa: E402
 from mx_server_procs import ServerProc  # noqa: E402
 
-from modelexpress._subproc import ModuleProcess, clean_env  # noqa: E402
+from modelexpress._subproc import clean_env  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow]
 
@@ -55,25 +55,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
     tmp = tmp_path_factory.mktemp("layout-pull")
     ckpt = make_tiny_llama(tmp / "llama", num_heads=4, num_kv_heads=1, tie_word_embeddings=True)
-    server = ServerProc(f"sqlite:///{tmp / 'mx.db'}", tmp,
-                        env={"MX_STALE_AFTER_S": "600"}).start()
-    ipc = tempfile.mkdtemp(prefix="mx-ipc-")
-    env = clean_env(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=server.token or "",
-                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="1",
-                    PYTHONPATH=f"{_HERE}:{_HERE.parent / 'engines'}")
-    procs = {name: ModuleProcess(["layout_source", str(ckpt), *args, FAMILY, name,
-                                  *(["--lie"] if name == "liar" else [])],
-                                 tmp / f"{name}.log", env)
-             for name, args in (("r0", ["2", "0"]), ("r1", ["2", "1"]), ("liar", ["1", "0"]))}
-    try:
-        ids = {name: p.json_line(300)["source_id"] for name, p in procs.items()}
+    commands = {name: ["layout_source", str(ckpt), *args, FAMILY, name,
+                       *(["--lie"] if name == "liar" else [])]
+                for name, args in (("r0", ["2", "0"]), ("r1", ["2", "1"]), ("liar", ["1", "0"]))}
+    with layout_sources(tmp, commands, pythonpath=f"{_HERE}:{_HERE.parent / 'engines'}",
+                        ready_s=300) as (server, ipc, ids):
         yield World(ckpt, server, ipc, ids)
-    finally:
-        for p in procs.values():
-            p.stop()
-        server.stop()
-        import shutil
-        shutil.rmtree(ipc, ignore_errors=True)
 
 
 def _pull(world: World, tp: int, rank: int, *, local: bool, covering_below=None):  # noqa: ANN001, ANN202
