@@ -24,11 +24,23 @@ source's rows: ``tp2_covering`` reads whole rows and gathers, ``tp2_runs`` one r
 row). Reported: each pull's ``total_s`` (the call) and ``data_s`` (its data plane), the
 median over rounds, and ``ratio_across_vs_same`` (medians of ``total_s``; goal <= 1.3).
 
+``--synthetic DEVICE`` (``cpu`` or ``cuda:N``) runs the same comparison without vLLM, on
+the hand-written layouts of ``tests/p2p/synthetic_layout.py`` (a merged qkv, row-parallel
+``o`` and ``down``, a padded vocabulary, a replicated norm; float32) at ``--dims``
+(default Llama-3-8B's widths with a 32000 vocabulary, one layer: 0.93 GB at TP=1):
+three source processes (``synthetic_source.py``: TP=1 and both TP=2 ranks, each in one
+allocation on DEVICE, block digests hashed there) and this process as the target,
+its destination on DEVICE. Cases ``{local,nixl}_same``, ``{local,nixl}_across``
+(TP=2 -> TP=1) and ``{local,nixl}_tp2`` (TP=1 -> a TP=2 rank). This is the GPU machine's
+run (one GPU: the sources are processes, not TP=2 engines); every case's first, untimed
+pull is compared byte for byte with the checkpoint's slices.
+
 ``--plan-only`` derives the layouts of Llama-3.1-8B's shapes (meta tensors: no weights)
 at TP 1, 2, 4, 8 and plans every target rank from every other layout: derivation and
 planning time, layout JSON size, bytes read against bytes needed.
 
 Usage: python bench/layout.py [--rounds N] [--hidden H --layers L] | --plan-only
+       | --synthetic DEVICE [--dims H,KV,INTER,VOCAB] [--rounds N]
 Prints progress lines, then ONE JSON object on the last line.
 """
 
@@ -223,6 +235,126 @@ def _check(dest: dict, reference: dict) -> None:
         raise AssertionError(f"pulled tensors differ from vLLM's disk load: {bad[:3]}")
 
 
+def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
+    """``--synthetic DEVICE``: the module docstring's comparison on hand-written layouts."""
+    os.environ["LAYOUT_SYNTHETIC_DIMS"] = args.dims  # before the import: it sizes them
+    import torch
+    import synthetic_layout as syn
+    from layout_world import layout_sources
+
+    from modelexpress.local import LocalOptions
+    from modelexpress.p2p import PullOptions, pull
+    from modelexpress.p2p import layout_pull
+    from modelexpress.p2p.layout_pull import pull_across_layouts
+
+    device = torch.device(args.synthetic)
+    if device.type == "cuda":
+        # GPU destinations are off in the product until tests/p2p/test_layout_devices.py's
+        # GPU cases pass on the machine; the bench measures the path they cover
+        layout_pull.GPU_DESTINATIONS = True
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="mx-bench-layout-syn-"))
+    commands = {name: ["synthetic_source", str(tp), str(rank), str(device), f"bench-{name}"]
+                for name, tp, rank in (("r0", 2, 0), ("r1", 2, 1), ("whole", 1, 0))}
+    ckpt = syn.checkpoint()
+    nbytes = sum(t.numel() * t.element_size() for t in ckpt.values())
+    _log(f"synthetic checkpoint {args.dims} ({nbytes / 1e9:.2f} GB float32) on {device}")
+    rows: dict[str, list[dict[str, float]]] = {}
+    try:
+        with layout_sources(work, commands, pythonpath=str(ROOT / "tests" / "p2p"),
+                            ready_s=600) as (server, ipc, ids):
+            _log("sources ready")
+            from modelexpress.client import MxClient
+
+            client = MxClient(server.url, token=server.token, timeout_s=60.0)
+            checked: set[tuple[int, int]] = set()
+
+            def fresh(tp: int, rank: int):  # noqa: ANN202
+                target = syn.layout(tp, rank)
+                dest = {name: torch.zeros(shape, dtype=dtype, device=device)
+                        for name, shape, dtype in syn.specs(target)}
+                sync()
+                return target, dest
+
+            def check(tp: int, rank: int, target, dest) -> None:  # noqa: ANN001
+                if (tp, rank) in checked:
+                    return
+                want = {n: torch.empty(s, dtype=d) for n, s, d in syn.specs(target)}
+                syn.assemble(target, ckpt, want)
+                bad = [n for n, t in want.items() if not torch.equal(dest[n].cpu(), t)]
+                if bad:
+                    raise AssertionError(f"tp={tp} rank={rank}: pulled tensors differ: {bad}")
+                checked.add((tp, rank))
+
+            def options(local: bool) -> PullOptions:
+                return PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
+                                   worker_id="bench-target", stall_s=120.0)
+
+            def same(local: bool) -> dict[str, float]:
+                target, dest = fresh(1, 0)
+                t0 = time.perf_counter()
+                result = pull(syn.identity(1, 0), dest, client=client, options=options(local))
+                sync()
+                total = time.perf_counter() - t0
+                check(1, 0, target, dest)
+                return {"total_s": total, "data_s": result.seconds, "bytes": result.bytes,
+                        "descriptors": result.descriptors}
+
+            def across(local: bool, tp: int, rank: int) -> dict[str, float]:
+                target, dest = fresh(tp, rank)
+                t0 = time.perf_counter()
+                out = pull_across_layouts(syn.identity(tp, rank), target, dest, client=client,
+                                          options=options(local))
+                sync()
+                total = time.perf_counter() - t0
+                check(tp, rank, target, dest)
+                want = {ids["whole"]} if tp == 2 else {ids["r0"], ids["r1"]}
+                if set(out.result.source_ids) != want:
+                    raise AssertionError(f"read {out.result.source_ids}, not {want}")
+                return {"total_s": total, "data_s": out.result.seconds,
+                        "bytes": out.result.bytes, "descriptors": out.result.descriptors,
+                        "verify_s": out.result.verify_seconds,
+                        "blocks_checked_as_landed": out.checked_as_landed}
+
+            cases = {"local_same": lambda: same(True),
+                     "local_across": lambda: across(True, 1, 0),
+                     "local_tp2": lambda: across(True, 2, 1),
+                     "nixl_same": lambda: same(False),
+                     "nixl_across": lambda: across(False, 1, 0),
+                     "nixl_tp2": lambda: across(False, 2, 1)}
+            if args.only:
+                cases = {k: v for k, v in cases.items() if k in args.only.split(",")}
+            for case in cases.values():  # untimed: imports, connections, the byte check
+                case()
+            for r in range(args.rounds):
+                for name, case in cases.items():
+                    rows.setdefault(name, []).append(case())
+                _log(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                    f"{n} {rows[n][-1]['total_s']:.3f} s" for n in cases))
+            client.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {name: {k: statistics.median(r.get(k, 0.0) for r in runs)
+                  for k in sorted({k for r in runs for k in r})}
+           for name, runs in rows.items()}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"bench": "layout-synthetic", "device": str(device), "gpu": gpu,
+            "dims": args.dims, "checkpoint_bytes": nbytes, "rounds": args.rounds,
+            "median": med,
+            "ratio_across_vs_same": {
+                t: med[f"{t}_across"]["total_s"] / med[f"{t}_same"]["total_s"]
+                for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
+            "ratio_data_plane": {
+                t: med[f"{t}_across"]["data_s"] / med[f"{t}_same"]["data_s"]
+                for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
+            "host": os.uname().nodename, "cpus": os.cpu_count(), "torch": torch.__version__,
+            "load_average_after": os.getloadavg()}
+
+
 def plan_only() -> dict[str, Any]:
     """Layouts of Llama-3.1-8B's shapes at TP 1-8, planned against each other."""
     import torch
@@ -296,8 +428,13 @@ def main() -> None:
     parser.add_argument("--workdir")
     parser.add_argument("--only", help="comma-separated cases (default: all)")
     parser.add_argument("--plan-only", action="store_true")
+    parser.add_argument("--synthetic", metavar="DEVICE",
+                        help="hand-written layouts, no vLLM, destinations on DEVICE")
+    parser.add_argument("--dims", default="4096,1024,14336,32000",
+                        help="--synthetic's H,KV,INTER,VOCAB")
     args = parser.parse_args()
-    out = plan_only() if args.plan_only else run(args)
+    out = (plan_only() if args.plan_only else
+           run_synthetic(args) if args.synthetic else run(args))
     print(json.dumps(out))
 
 

@@ -20,6 +20,8 @@
 #   tests          the gpu-marked tests (transfer, p2p, vmm, shm_arena, local)
 #   transfer p2p p2p-8b p2p-nodigest digest local-first shm host-copy local-host vmm
 #                  the benchmarks of those names (bench/*.py --gpu ...)
+#   layout         bench/layout.py --synthetic cuda:0 (pulls across layouts into the GPU;
+#                  LAYOUT_ARGS replaces its --rounds 5)
 #   cluster        bench/cluster.py on this host's cores (needs ip and tc: copy
 #                  .netns-tools, built by scripts/build_netns_carry.sh)
 #   shm-ab         the vLLM MessageQueue A/B (copy .vllm-gpu, scripts/pack_vllm_gpu.sh)
@@ -225,6 +227,12 @@ $base}"
           > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
       PYTHONPATH=/tmp/site-vllm:$PYTHONPATH python3 bench/shm_arena.py ${SHM_AB_ARGS:-} 2>&1 |
         tee "$OUT/bench_shm_ab_gpu_host.log" | tail -45
+      ;;
+    layout)  # pulls across layouts into cuda:0 (hand-written layouts, no vLLM needed)
+      python3 bench/layout.py --synthetic cuda:0 ${LAYOUT_ARGS:---rounds 5} \
+        > "$OUT/bench_layout_gpu.json" 2> "$OUT/bench_layout_gpu.log"
+      echo "bench/layout.py --synthetic cuda:0: exit $?"
+      grep '^\[bench' "$OUT/bench_layout_gpu.log" | tail -8; cat "$OUT/bench_layout_gpu.json"
       ;;
     vmm)
       python3 bench/vmm_arena.py --quick 2>&1 | tee "$OUT/bench_vmm_gpu.log" | tail -5

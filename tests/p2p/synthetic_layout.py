@@ -13,6 +13,8 @@ a seed, so a source process and the test build the same bytes.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from modelexpress.identity import ModelIdentity
@@ -21,7 +23,22 @@ from modelexpress.layout import (BlockTable, CheckpointTensor, Fill, Layout, Pie
 from modelexpress.transfer import digest as _digest
 
 MODEL = "layout-tests/synthetic"
-H, KV, INTER, VOCAB = 512, 128, 1024, 1000
+
+
+def _dims() -> tuple[int, int, int, int]:
+    """Hidden size, KV rows, MLP width, vocabulary: the tests' small ones, or
+    ``LAYOUT_SYNTHETIC_DIMS="H,KV,INTER,VOCAB"`` (``bench/layout.py --synthetic`` sets it;
+    its source processes inherit it, so every process builds the same checkpoint)."""
+    raw = os.environ.get("LAYOUT_SYNTHETIC_DIMS")
+    if not raw:
+        return 512, 128, 1024, 1000
+    h, kv, inter, vocab = (int(x) for x in raw.split(","))
+    if h % 8 or inter % 8:
+        raise ValueError(f"LAYOUT_SYNTHETIC_DIMS={raw!r}: H and INTER must split 8 ways")
+    return h, kv, inter, vocab
+
+
+H, KV, INTER, VOCAB = _dims()
 SLICED = {"q": {0}, "k": {0}, "v": {0}, "o": {1}, "down": {1}, "embed": {0}}
 SHAPES = {"q": (H, H), "k": (KV, H), "v": (KV, H), "o": (H, H), "down": (H, INTER),
           "embed": (VOCAB, H), "norm": (H,)}
