@@ -229,6 +229,8 @@ $base}"
         tee "$OUT/bench_shm_ab_gpu_host.log" | tail -45
       ;;
     layout)  # pulls across layouts into cuda:0 (hand-written layouts, no vLLM needed)
+      # NIXL and the control plane's packages: vllm-stage's where it ran, else setup's
+      [ -f /tmp/vllm026/stamps/checked ] && vllm_env
       python3 bench/layout.py --synthetic cuda:0 ${LAYOUT_ARGS:---rounds 5} \
         > "$OUT/bench_layout_gpu.json" 2> "$OUT/bench_layout_gpu.log"
       echo "bench/layout.py --synthetic cuda:0: exit $?"

@@ -5,6 +5,7 @@ for the tests of pulls across layouts (``test_layout_pull.py``, ``test_layout_de
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import shutil
 import sys
@@ -29,8 +30,12 @@ def layout_sources(tmp: pathlib.Path, commands: Mapping[str, Sequence[str]], *,
     server = ServerProc(f"sqlite:///{tmp / 'mx.db'}", tmp,
                         env={"MX_STALE_AFTER_S": "600"}).start()
     ipc = tempfile.mkdtemp(prefix="mx-ipc-")
+    # ``pythonpath`` goes before this process's own (a GPU host's staged packages are
+    # on it: the sources need them as much as this process does)
+    inherited = os.environ.get("PYTHONPATH")
     env = clean_env(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=server.token or "",
-                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="1", PYTHONPATH=pythonpath)
+                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="1",
+                    PYTHONPATH=os.pathsep.join(p for p in (pythonpath, inherited) if p))
     procs = {name: ModuleProcess(list(argv), tmp / f"{name}.log", env)
              for name, argv in commands.items()}
     try:
