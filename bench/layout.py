@@ -301,8 +301,10 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                 sync()
                 total = time.perf_counter() - t0
                 check(1, 0, target, dest)
+                if not result.verified:
+                    raise AssertionError("the same-layout pull checked no digests")
                 return {"total_s": total, "data_s": result.seconds, "bytes": result.bytes,
-                        "descriptors": result.descriptors}
+                        "descriptors": result.descriptors, "verify_s": result.verify_seconds}
 
             def across(local: bool, tp: int, rank: int) -> dict[str, float]:
                 target, dest = fresh(tp, rank)

@@ -234,7 +234,7 @@ $base}"
       python3 bench/layout.py --synthetic cuda:0 ${LAYOUT_ARGS:---rounds 5} \
         > "$OUT/bench_layout_gpu.json" 2> "$OUT/bench_layout_gpu.log"
       echo "bench/layout.py --synthetic cuda:0: exit $?"
-      grep '^\[bench' "$OUT/bench_layout_gpu.log" | tail -8; cat "$OUT/bench_layout_gpu.json"
+      grep '^\[bench' "$OUT/bench_layout_gpu.log" | tail -8; tail -1 "$OUT/bench_layout_gpu.json"
       ;;
     vmm)
       python3 bench/vmm_arena.py --quick 2>&1 | tee "$OUT/bench_vmm_gpu.log" | tail -5
