@@ -22,6 +22,11 @@ from typing import Any, Callable
 
 from modelexpress.errors import ConflictError, NotFoundError, ValidationError
 from modelexpress.identity import ModelIdentity
+# At start-up, not at the first relay claim: imported there, the package's first import
+# (about 0.1 s) fell inside a pulling engine's model-loading phase (an 8B target on one
+# H100, vLLM 0.26: the pull's control plane 0.130 s of 0.195 s).
+from modelexpress.p2p.relay_plan import (Holder, assign, choose_fanout, chunks_of,
+                                         piece_bytes, source_ref, transfer_ref)
 from modelexpress.server import content
 from modelexpress.server.origins import OriginLeases
 from modelexpress.server.states import (
@@ -677,9 +682,6 @@ class ControlPlane:
             Fields to store on the record (nothing when no READY source is left: the
             agent then fails the transfer on the source it was given).
         """
-        from modelexpress.p2p.relay_plan import (Holder, assign, choose_fanout, chunks_of,
-                                                 piece_bytes, source_ref, transfer_ref)
-
         if t.get("source_named"):
             return {}
         target = t["target_worker"]
