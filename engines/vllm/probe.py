@@ -160,6 +160,11 @@ def platform_key(model: nn.Module) -> str:
 def compute_probe(model: nn.Module) -> Probe:
     """Probe a loaded, post-processed model (see the module docstring).
 
+    Every layer's output is computed first and read back to the host in one copy per
+    device, and the state digests are batched by algorithm and device: a GPU
+    synchronises a few times per probe, not a few times per module (an 8B model has
+    about 200 probed modules). The digests are those of hashing each module alone.
+
     Args:
         model: the model as the engine will run it.
 
@@ -167,26 +172,30 @@ def compute_probe(model: nn.Module) -> Probe:
         The probe.
     """
     start = time.perf_counter()
-    modules: dict[str, str] = {}
-    by_output = by_state = 0
+    inputs: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+    outputs: dict[str, list[torch.Tensor]] = {}
+    states: dict[str, list[torch.Tensor]] = {}
+    order: list[str] = []
     for name, module in model.named_modules():
-        outputs = _module_outputs(module)
-        if outputs is not None:
-            modules[name] = _hash_tensors(outputs)
-            by_output += 1
+        produced = _module_outputs(module, inputs)
+        if produced is not None:
+            outputs[name] = [t.detach().contiguous() for t in produced]
+            order.append(name)
             continue
         state = list(_own_state(module))
         if state:
-            modules[name] = _hash_state(state)
-            by_state += 1
+            states[name] = [t.detach().contiguous() for t in state]
+            order.append(name)
+    hashed = {**_hash_outputs(outputs), **_hash_states(states)}
+    modules = {name: hashed[name] for name in order}
     whole = hashlib.sha256()
     for name, value in modules.items():
         whole.update(f"{name}={value};".encode())
     probe = Probe(version=PROBE_VERSION, platform=platform_key(model),
-                  digest=whole.hexdigest(), modules=modules, by_output=by_output,
-                  by_state=by_state, seconds=time.perf_counter() - start)
+                  digest=whole.hexdigest(), modules=modules, by_output=len(outputs),
+                  by_state=len(states), seconds=time.perf_counter() - start)
     logger.debug("modelexpress: probe %s: %d modules by output, %d by state, %.3f s",
-                 probe.digest[:16], by_output, by_state, probe.seconds)
+                 probe.digest[:16], probe.by_output, probe.by_state, probe.seconds)
     return probe
 
 
@@ -234,8 +243,11 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _module_outputs(module: nn.Module) -> list[torch.Tensor] | None:
-    """The probed outputs of a linear or embedding layer; None for other modules."""
+def _module_outputs(module: nn.Module,
+                    inputs: dict[tuple[int, torch.dtype, torch.device], torch.Tensor]
+                    ) -> list[torch.Tensor] | None:
+    """The probed outputs of a linear or embedding layer; None for other modules.
+    ``inputs`` keeps the fixed inputs made so far (one per width, dtype and device)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead, VocabParallelEmbedding)
@@ -243,17 +255,23 @@ def _module_outputs(module: nn.Module) -> list[torch.Tensor] | None:
     method = getattr(module, "quant_method", None)
     if method is None:
         return None
+
+    def x(features: int) -> torch.Tensor:
+        key = (features, module.params_dtype, _state_device(module))
+        if key not in inputs:
+            inputs[key] = _probe_input(*key)
+        return inputs[key]
+
     if isinstance(module, ParallelLMHead) and hasattr(method, "apply"):
-        x = _probe_input(module.embedding_dim, module.params_dtype, _state_device(module))
-        return _as_list(method.apply(module, x, getattr(module, "bias", None)))
+        return _as_list(method.apply(module, x(module.embedding_dim),
+                                     getattr(module, "bias", None)))
     if isinstance(module, VocabParallelEmbedding) and hasattr(method, "embedding"):
         rows = max(int(module.num_embeddings_per_partition), 1)
         ids = (torch.arange(PROBE_ROWS * 7, dtype=torch.long) * 7919) % rows
         return _as_list(method.embedding(module, ids.to(_state_device(module))))
     if isinstance(module, LinearBase) and hasattr(method, "apply"):
         features = int(getattr(module, "input_size_per_partition", module.input_size))
-        x = _probe_input(features, module.params_dtype, _state_device(module))
-        return _as_list(method.apply(module, x, getattr(module, "bias", None)))
+        return _as_list(method.apply(module, x(features), getattr(module, "bias", None)))
     return None
 
 
@@ -286,24 +304,50 @@ def _as_list(value: Any) -> list[torch.Tensor]:
     raise TypeError(f"probe: unexpected layer output {type(value).__name__}")
 
 
-def _hash_state(tensors: list[torch.Tensor]) -> str:
-    # State can be large (MoE experts): digest it where it lives, with the transfer
-    # layer's digests (no copy to the host), then hash the small results.
+def _hash_states(states: Mapping[str, list[torch.Tensor]]) -> dict[str, str]:
+    """Each module's digest of its own parameters and buffers. State can be large (MoE
+    experts): it is digested where it lives, with the transfer layer's digests (no copy
+    to the host), each module with the algorithm its tensors alone call for, one
+    ``digest_many`` per algorithm and device; then the small results are hashed."""
     from modelexpress.transfer import digest as _digest
 
-    data = [t.detach().contiguous() for t in tensors]
-    values = _digest.digest_many(data, _digest.default_algorithm(data))
-    h = hashlib.sha256()
-    for tensor, value in zip(data, values):
-        h.update(f"{tensor.dtype}{tuple(tensor.shape)}={value};".encode())
-    return h.hexdigest()
+    groups: dict[tuple[str, torch.device], list[tuple[str, int]]] = {}
+    for name, tensors in states.items():
+        algorithm = _digest.default_algorithm(tensors)
+        for i, tensor in enumerate(tensors):
+            groups.setdefault((algorithm, tensor.device), []).append((name, i))
+    values: dict[tuple[str, int], str] = {}
+    for (algorithm, _), members in groups.items():
+        got = _digest.digest_many([states[n][i] for n, i in members], algorithm)
+        values.update(zip(members, got))
+    out = {}
+    for name, tensors in states.items():
+        h = hashlib.sha256()
+        for i, tensor in enumerate(tensors):
+            h.update(f"{tensor.dtype}{tuple(tensor.shape)}={values[(name, i)]};".encode())
+        out[name] = h.hexdigest()
+    return out
 
 
-def _hash_tensors(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for tensor in tensors:
-        data = tensor.detach().contiguous()
-        h.update(f"{data.dtype}{tuple(data.shape)}".encode())
-        if data.numel():
-            h.update(data.reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()
+def _hash_outputs(outputs: Mapping[str, list[torch.Tensor]]) -> dict[str, str]:
+    """Each module's digest of its outputs' bytes, read back in one copy per device."""
+    flat: dict[torch.device, list[torch.Tensor]] = {}
+    for tensors in outputs.values():
+        for t in tensors:
+            if t.numel():
+                flat.setdefault(t.device, []).append(t.reshape(-1).view(torch.uint8))
+    host = {device: torch.cat(parts).cpu().numpy() if parts else None
+            for device, parts in flat.items()}
+    offset = dict.fromkeys(flat, 0)
+    out = {}
+    for name, tensors in outputs.items():
+        h = hashlib.sha256()
+        for t in tensors:
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                n = t.numel() * t.element_size()
+                start = offset[t.device]
+                h.update(host[t.device][start:start + n].tobytes())
+                offset[t.device] = start + n
+        out[name] = h.hexdigest()
+    return out

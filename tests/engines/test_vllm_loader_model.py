@@ -346,6 +346,11 @@ def test_probe_equal_for_equal_models_and_names_the_first_module_that_differs(ti
     assert pa.by_output == 1 + 2 * TINY_CONFIG["num_hidden_layers"]
     assert Probe.from_json(pa.to_json()) == dataclasses.replace(pa, seconds=0.0)
     assert compare_probes(pb, Probe.from_json(pa.to_json())).outcome == "match"
+    # Batched (one read-back, state digests grouped) and module by module give the same
+    # digests: a probe of each module alone, as every release before the batching did it.
+    alone = {name: compute_probe(module).modules.get("")
+             for name, module in a.named_modules()}
+    assert pa.modules == {name: alone[name] for name in pa.modules}
     with torch.no_grad():  # one weight changes after post-processing, as a bad pull would
         b.layers[1].norm.weight.add_(1e-3)
     verdict = compare_probes(compute_probe(b), pa, source="src-1")
