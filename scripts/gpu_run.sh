@@ -230,7 +230,7 @@ $base}"
       ;;
     layout)  # pulls across layouts into cuda:0 (hand-written layouts, no vLLM needed)
       # NIXL and the control plane's packages: vllm-stage's where it ran, else setup's
-      [ -f /tmp/vllm026/stamps/checked ] && vllm_env
+      [ -d /tmp/vllm026/site/nixl_cu13.libs ] && vllm_env
       python3 bench/layout.py --synthetic cuda:0 ${LAYOUT_ARGS:---rounds 5} \
         > "$OUT/bench_layout_gpu.json" 2> "$OUT/bench_layout_gpu.log"
       echo "bench/layout.py --synthetic cuda:0: exit $?"
