@@ -109,9 +109,15 @@ def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None):  # noqa
     from modelexpress.p2p.layout_pull import pull_across_layouts
 
     target = syn.layout(tp, rank)
-    dest = {name: (arena.empty(shape, dtype) if arena is not None
-                   else torch.empty(shape, dtype=dtype, device=world.device))
-            for name, shape, dtype in syn.specs(target)}
+    if arena is not None and world.device == "cpu":
+        dest = {name: arena.empty(shape, dtype) for name, shape, dtype in syn.specs(target)}
+    else:  # a CUDA arena: this thread's allocations are routed to it (arena_for)
+        dest = {name: torch.empty(shape, dtype=dtype, device=world.device)
+                for name, shape, dtype in syn.specs(target)}
+    if arena is not None:
+        base, size = arena.registered_range()
+        assert all(base <= t.data_ptr() < base + size for t in dest.values()), \
+            "a destination outside the arena"
     for t in dest.values():
         t.fill_(float("nan"))
     options = PullOptions(local=LocalOptions(ipc_dir=world.ipc if local else "off"),
