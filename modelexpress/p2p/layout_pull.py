@@ -377,11 +377,16 @@ def _read(plan: Any, by_id: Mapping[str, LayoutSource], buffers: Mapping[str, "t
     results: dict[str, Any] = {}
     for key, copies in plan.by_source().items():
         tracker.reading = key
+        share = sum(c.nbytes for c in copies)
 
-        def report(done: int, base: int = done_before) -> None:
+        def report(done: int, base: int = done_before, share: int = share) -> None:
+            # A reader counts the bytes it moved: reading covering spans, more than this
+            # source's share of the plan (the control plane refuses a report past the
+            # total, HTTP 422), so the count stops at the share.
+            done = base + min(done, share)
             if progress is not None:
-                progress(base + done, total)
-            tracker.report(base + done, total)
+                progress(done, total)
+            tracker.report(done, total)
 
         left = end - time.monotonic()
         if left <= 0:

@@ -103,7 +103,8 @@ def arena_for(world: World) -> Iterator:
         arena.close()
 
 
-def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None):  # noqa: ANN001, ANN202
+def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None,  # noqa: ANN001, ANN202
+          progress=None):  # noqa: ANN001
     from modelexpress.local import LocalOptions
     from modelexpress.p2p import PullOptions
     from modelexpress.p2p.layout_pull import pull_across_layouts
@@ -125,7 +126,7 @@ def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None):  # noqa
                           stall_s=60.0, timeout_s=120.0)
     with world.client() as client:
         out = pull_across_layouts(syn.identity(tp, rank), target, dest, client=client,
-                                  options=options)
+                                  options=options, progress=progress)
     expected = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in syn.specs(target)}
     syn.assemble(target, syn.checkpoint(), expected)
     for name, want in expected.items():
@@ -149,6 +150,14 @@ def test_the_tp1_rank_from_both_tp2_ranks(world: World, arena_for, local: bool, 
 
 @pytest.mark.parametrize("local", [True, False], ids=["local", "nixl"])
 def test_a_tp2_rank_from_the_tp1_source(world: World, local: bool) -> None:
-    out = _pull(world, 2, 1, local=local)
+    """Its ``o`` and ``down`` are column halves of the source's rows: short runs, read as
+    covering spans (more bytes than the plan's) and gathered here. Progress stays in the
+    plan's bytes: a report past the total is refused by the control plane (HTTP 422)."""
+    reports: list[tuple[int, int]] = []
+    out = _pull(world, 2, 1, local=local, progress=lambda done, total: reports.append((done, total)))
     assert out.result.source_ids == (world.sources["whole"],)
     assert (out.result.transport == "local") == local, out.result.transport
+    total = reports[-1][1]
+    assert all(t == total for _, t in reports) and all(d <= total for d, _ in reports), reports
+    assert reports[-1][0] == total, reports
+    assert [d for d, _ in reports] == sorted(d for d, _ in reports), reports
