@@ -244,14 +244,9 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
 
     from modelexpress.local import LocalOptions
     from modelexpress.p2p import PullOptions, pull
-    from modelexpress.p2p import layout_pull
     from modelexpress.p2p.layout_pull import pull_across_layouts
 
     device = torch.device(args.synthetic)
-    if device.type == "cuda":
-        # GPU destinations are off in the product until tests/p2p/test_layout_devices.py's
-        # GPU cases pass on the machine; the bench measures the path they cover
-        layout_pull.GPU_DESTINATIONS = True
 
     def sync() -> None:
         if device.type == "cuda":

@@ -16,9 +16,9 @@
       published()                          what serve_source publishes beside the manifest
 
 A model whose layout cannot be derived (a quantized or expert layer, a loader that
-computes from checkpoint values), or a rank loading into GPU memory (not supported yet:
-:func:`~modelexpress.p2p.layout_pull.device_refusal`), is logged once, with the tensor and why, and loads
-as before: from sources of its own layout, else from disk. Nothing here fails a load.
+computes from checkpoint values), or a rank loading into GPU memory (:data:`GPU_ENGINES`),
+is logged once, with the tensor and why, and loads as before: from sources of its own
+layout, else from disk. Nothing here fails a load.
 """
 
 from __future__ import annotations
@@ -40,9 +40,17 @@ if TYPE_CHECKING:
     from modelexpress.identity import ModelIdentity
     from modelexpress.p2p.options import PullOptions
 
-__all__ = ["LayoutStep"]
+__all__ = ["GPU_ENGINES", "LayoutStep"]
 
 logger = logging.getLogger(__name__)
+
+GPU_ENGINES = False
+"""Whether a rank that loads into GPU memory takes part (derives, hashes, publishes and
+pulls layouts). The library fills GPU destinations across layouts
+(:func:`~modelexpress.p2p.layout_pull.pull_across_layouts`), but the derivation has not
+run inside vLLM's CUDA build (0.26 on the GPU machine), and engines of two
+tensor-parallel sizes, the test it needs, take two GPUs: until then a GPU rank says so
+in one line and loads as before."""
 
 
 class LayoutStep:
@@ -73,6 +81,10 @@ class LayoutStep:
             from modelexpress.p2p.layout_pull import device_refusal
 
             on_device = device_refusal(device)
+            if on_device is None and device.type == "cuda" and not GPU_ENGINES:
+                on_device = (f"its load device is {device}: GPU engines take no part in "
+                             "pulls across parallel layouts yet (not tested in vLLM's CUDA "
+                             "build)")
             if on_device is not None:  # nothing derived, hashed or published either
                 self._refuse(on_device)
         # Derived only when a path needs it (a disk load, a pull across layouts): a pull

@@ -315,14 +315,15 @@ def _pull_across_layouts(model: str, out: pathlib.Path, layout_file: pathlib.Pat
     from modelexpress.checkpoint import check_output, save_checkpoint
     from modelexpress.errors import NoSourceError
     from modelexpress.layout import Layout
-    from modelexpress.p2p.layout_pull import device_refusal, pull_across_layouts
+    from modelexpress.p2p.layout_pull import pull_across_layouts
     from modelexpress.p2p.options import PullOptions
 
     settings = _settings(server, as_json)
     _check_device(device)
-    refused = device_refusal(device)
-    if refused is not None:
-        raise ConfigError(f"--layout with --device {device}: {refused}; pull to --device cpu")
+    if device != "cpu":
+        # what it pulls goes to a file: through a GPU it would only cost a copy back
+        raise ConfigError(f"--layout with --device {device}: a pull across layouts writes "
+                          "a checkpoint from host memory; pull to --device cpu")
     check_output(out, overwrite)
     try:
         target = Layout.loads(layout_file.read_text())

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from modelexpress.layout.readers import LayoutReader
     from modelexpress.transfer import Manifest, NixlTransferManager
 
-__all__ = ["AcrossLayouts", "GPU_DESTINATIONS", "LayoutSource", "device_refusal",
+__all__ = ["AcrossLayouts", "LayoutSource", "device_refusal",
            "layout_readers", "pull_across_layouts"]
 
 log = logging.getLogger(__name__)
@@ -89,27 +89,22 @@ class AcrossLayouts:
     checked_as_landed: int = 0
 
 
-GPU_DESTINATIONS = False
-"""Whether a GPU destination may be filled across layouts. Off until the readers' device
-paths (a ``cuMemcpyAsync`` per run from a same-host source, NIXL READs into VRAM,
-``wsum-i32-v1`` block digests on the GPU) have passed on a GPU:
-``tests/p2p/test_layout_devices.py`` (``gpu`` marker) turns it on for its own pulls."""
-
-
 def device_refusal(device: "torch.device | str") -> str | None:
     """Why a destination on ``device`` cannot be filled across layouts, or None.
 
-    Host memory only, for now (:data:`GPU_DESTINATIONS`): a GPU destination is refused
+    Host memory and CUDA GPUs are filled (the readers' device paths: a ``cuMemcpyAsync``
+    per run from a same-host source, NIXL READs into VRAM, ``wsum-i32-v1`` block digests
+    on the GPU; ``tests/p2p/test_layout_devices.py``); any other device is refused
     before anything is asked of the control plane (a caller then pulls from its own
     layout or loads from disk, as before).
     """
     import torch
 
     kind = torch.device(device).type
-    if kind == "cpu" or (kind == "cuda" and GPU_DESTINATIONS):
+    if kind in ("cpu", "cuda"):
         return None
     return (f"its load device is {device}: pulls across parallel layouts fill host memory "
-            "only (GPU destinations are not supported yet)")
+            "and CUDA GPUs only")
 
 
 def layout_readers(opts: PullOptions, manager: Callable[[], "NixlTransferManager"],
@@ -187,8 +182,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
         TransferCancelledError: ``stop``, or a stop through the control plane.
         TransferTimeoutError: ``options.timeout_s`` ran out.
         ControlPlaneError: the server is older than API version 5.
-        LayoutUnavailableError: a tensor of ``dest`` is not in host memory
-            (:func:`device_refusal`); nothing was asked of the control plane.
+        LayoutUnavailableError: a tensor of ``dest`` is neither in host memory nor on
+            a CUDA GPU (:func:`device_refusal`); nothing was asked of the control plane.
     """
     import torch
 

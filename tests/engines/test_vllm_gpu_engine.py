@@ -106,13 +106,12 @@ def _assert_served(a: LlmEngine, arena: bool) -> None:
 
 
 def _assert_no_layout_on_the_gpu(engine: LlmEngine) -> None:
-    """Pulls across parallel layouts fill host memory only (GPU destinations are not
-    supported yet): a GPU rank says so in one line and derives, hashes and publishes no
-    layout; its own layout's pulls are unchanged."""
+    """GPU engines take no part in pulls across parallel layouts yet
+    (``layout_step.GPU_ENGINES``): a GPU rank says so in one line and derives, hashes and
+    publishes no layout; its own layout's pulls are unchanged."""
     log = engine.log_text()
     refusals = re.findall(r"is not eligible for pulls across parallel layouts: its load "
-                          r"device is cuda\S*: pulls across parallel layouts fill host "
-                          r"memory only", log)
+                          r"device is cuda\S*: GPU engines take no part", log)
     assert len(refusals) == 1, engine.log_tail()
     assert "block digests hashed" not in log, engine.log_tail()
 

@@ -188,9 +188,10 @@ def test_a_quantized_model_or_layer_is_refused_in_one_sentence() -> None:
 
 def test_a_rank_loading_into_gpu_memory_is_refused_in_one_line_and_publishes_nothing(
         caplog) -> None:
-    """GPU destinations are not supported yet: a rank whose load device is a GPU derives,
-    hashes and publishes no layout, and its pull across layouts fails before it asks the
-    control plane anything (the loader then goes on as before). Host memory is eligible."""
+    """GPU engines take no part yet (``layout_step.GPU_ENGINES``): a rank whose load
+    device is a GPU derives, hashes and publishes no layout, and its pull across layouts
+    fails before it asks the control plane anything (the loader then goes on as before).
+    Host memory is eligible."""
     import logging
     import types
 
@@ -202,9 +203,9 @@ def test_a_rank_loading_into_gpu_memory_is_refused_in_one_line_and_publishes_not
         step = LayoutStep(True, None, config, None, torch.device("cuda", 0))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["modelexpress: ./llama is not eligible for pulls across parallel layouts: "
-                     "its load device is cuda:0: pulls across parallel layouts fill host memory "
-                     "only (GPU destinations are not supported yet); it pulls from sources of "
-                     "its own layout only"]
+                     "its load device is cuda:0: GPU engines take no part in pulls across "
+                     "parallel layouts yet (not tested in vLLM's CUDA build); it pulls from "
+                     "sources of its own layout only"]
     assert not step.eligible and step.published() is None
     def streams(*args):  # noqa: ANN002, ANN202
         return iter(())
@@ -213,7 +214,7 @@ def test_a_rank_loading_into_gpu_memory_is_refused_in_one_line_and_publishes_not
     with step.hashing(fallback):
         assert fallback.get_all_weights is streams  # no block hasher wrapped around it
     assert step.blocks is None and step.layout is None
-    with pytest.raises(LayoutUnavailableError, match="GPU destinations are not supported"):
+    with pytest.raises(LayoutUnavailableError, match="GPU engines take no part"):
         step.pull(None, {}, client=None, options=None)  # type: ignore[arg-type]
     assert LayoutStep(True, None, config, None, torch.device("cpu")).eligible
     assert LayoutStep(False, None, config, None, torch.device("cpu")).refused == \

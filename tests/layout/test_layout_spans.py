@@ -76,10 +76,11 @@ def test_check_names_the_block_that_does_not_hash_to_its_digest_then_finish_fill
     assert torch.equal(dest["t"][8], src["w"][0]) and bool((dest["t"][9] == 0.5).all())
 
 
-def test_a_destination_outside_host_memory_is_refused_before_the_control_plane() -> None:
-    """GPU destinations are not supported yet (``device_refusal``): the pull raises
-    LayoutUnavailableError before it asks the control plane anything (a meta tensor
-    stands in for a GPU one here: any device but the CPU is refused)."""
+def test_a_destination_outside_host_and_cuda_memory_is_refused_before_the_control_plane(
+        ) -> None:
+    """Host memory and CUDA GPUs are filled (``device_refusal``); any other device makes
+    the pull raise LayoutUnavailableError before it asks the control plane anything (a
+    meta tensor here)."""
     from modelexpress.errors import LayoutUnavailableError
     from modelexpress.identity import ModelIdentity
     from modelexpress.p2p.layout_pull import device_refusal, pull_across_layouts
@@ -89,7 +90,8 @@ def test_a_destination_outside_host_memory_is_refused_before_the_control_plane()
             raise AssertionError(f"the control plane was asked ({name})")
 
     assert device_refusal("cpu") is None and device_refusal(torch.device("cpu")) is None
-    assert "GPU destinations are not supported yet" in device_refusal("cuda:1")
+    assert device_refusal("cuda:1") is None and device_refusal(torch.device("cuda", 0)) is None
+    assert "fill host memory and CUDA GPUs only" in device_refusal("meta")
     dest = {"w": torch.empty(4, 4), "v": torch.empty(4, device="meta")}
     identity = ModelIdentity(model="m", dtype="float32", tp_size=1, rank=0)
     with pytest.raises(LayoutUnavailableError, match="its load device is meta"):

@@ -10,9 +10,7 @@ over the local transport and over NIXL, in a VMM arena and not, and compares eve
 with the checkpoint's slices.
 
 ``host``: host memory (every run). ``gpu``: cuda:0, which needs a GPU (the ``gpu``
-marker: CI has none); pulls into GPU memory are off in the product until these pass
-(:data:`~modelexpress.p2p.layout_pull.GPU_DESTINATIONS`), so this module turns them on
-for its own pulls.
+marker: CI has none).
 """
 
 from __future__ import annotations
@@ -61,13 +59,6 @@ def world(request: pytest.FixtureRequest,
                 for name, tp, rank in (("r0", 2, 0), ("r1", 2, 1), ("whole", 1, 0))}
     with layout_sources(tmp, commands, pythonpath=str(_HERE), ready_s=120) as (server, ipc, ids):
         yield World(device, server, ipc, ids)
-
-
-@pytest.fixture(autouse=True)
-def _gpu_destinations(monkeypatch: pytest.MonkeyPatch) -> None:
-    from modelexpress.p2p import layout_pull
-
-    monkeypatch.setattr(layout_pull, "GPU_DESTINATIONS", True)
 
 
 @pytest.fixture
