@@ -93,10 +93,9 @@ def _fresh(ckpt: pathlib.Path, tp: int, rank: int):  # noqa: ANN202
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from layout_source import identity
-    from mx_server_procs import ServerProc
+    from layout_world import layout_sources
     from vllm_layouts import load_rank
 
-    from modelexpress._subproc import ModuleProcess, clean_env
     from modelexpress.client import MxClient
     from modelexpress.layout.readers import COVERING_BELOW
     from modelexpress.local import LocalOptions
@@ -107,106 +106,110 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ckpt = make_checkpoint(work / f"llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers)
     nbytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     _log(f"checkpoint {ckpt} ({nbytes / 1e6:.0f} MB)")
-    server = ServerProc(f"sqlite:///{work / 'mx.db'}", work,
-                        env={"MX_STALE_AFTER_S": "600"}).start()
-    ipc = tempfile.mkdtemp(prefix="mx-ipc-")
-    here = ROOT / "tests" / "p2p"
-    env = clean_env(MX_SERVER_URL=server.url, MX_SERVER_TOKEN=server.token or "",
-                    MX_IPC_DIR=ipc, MX_HEARTBEAT_INTERVAL_S="2", MX_LOG_LEVEL="WARNING",
-                    PYTHONPATH=f"{here}:{ROOT / 'tests' / 'engines'}")
-    procs = []
+    commands = {f"{tp}-{rank}": ["layout_source", str(ckpt), str(tp), str(rank), FAMILY,
+                                 f"bench-{tp}-{rank}", "--dtype", "bfloat16"]
+                for tp, rank in ((1, 0), (2, 0), (2, 1))}
+    rows: dict[str, list[dict[str, float]]] = {}
     try:
-        for tp, rank in ((1, 0), (2, 0), (2, 1)):
-            procs.append(ModuleProcess(["layout_source", str(ckpt), str(tp), str(rank), FAMILY,
-                                        f"bench-{tp}-{rank}", "--dtype", "bfloat16"],
-                                       work / f"source-{tp}-{rank}.log", env))
-        for p in procs:
-            p.json_line(600)
-        _log("sources ready")
-        reference, _ = load_rank(ckpt, 1, 0, dtype="bfloat16")
-        rows: dict[str, list[dict[str, float]]] = {}
-        client = MxClient(server.url, token=server.token, timeout_s=60.0)
+        with layout_sources(work, commands, ready_s=600, pythonpath=os.pathsep.join(
+                (str(ROOT / "tests" / "p2p"), str(ROOT / "tests" / "engines")))) as (server, ipc, _):
+            _log("sources ready")
+            reference, _ = load_rank(ckpt, 1, 0, dtype="bfloat16")
+            client = MxClient(server.url, token=server.token, timeout_s=60.0)
 
-        def same(local: bool) -> dict[str, float]:
-            dest, _ = _fresh(ckpt, 1, 0)
-            opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
-                               worker_id="bench-target", stall_s=120.0)
-            t0 = time.perf_counter()
-            result = pull(identity(1, 0, FAMILY, "bfloat16"), dest, client=client, options=opts)
-            total = time.perf_counter() - t0
-            _check(dest, reference)
-            return {"total_s": total, "data_s": result.seconds, "bytes": result.bytes,
-                    "descriptors": result.descriptors,
-                    **{f"phase_{k}_s": v for k, v in result.phases.items() if v}}
-
-        def across(local: bool, tp: int = 1, rank: int = 0,
-                   covering: int = COVERING_BELOW, as_landed: bool = True) -> dict[str, float]:
-            dest, target = _fresh(ckpt, tp, rank)
-            opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
-                               worker_id="bench-target", stall_s=120.0)
-            readers = None
-            if not as_landed:  # every block hashed after the copies (the readers offered none)
-                default = layout_readers(opts, _no_nixl, torch.device("cpu"), covering)
-                readers = lambda source: _AfterCopies(default(source))  # noqa: E731
-            t0 = time.perf_counter()
-            out = pull_across_layouts(identity(tp, rank, FAMILY, "bfloat16"), target, dest,
-                                      client=client, readers=readers,
-                                      options=opts, covering_below=covering)
-            total = time.perf_counter() - t0
-            if tp == 1:
+            def same(local: bool) -> dict[str, float]:
+                dest, _ = _fresh(ckpt, 1, 0)
+                opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
+                                   worker_id="bench-target", stall_s=120.0)
+                t0 = time.perf_counter()
+                result = pull(identity(1, 0, FAMILY, "bfloat16"), dest, client=client, options=opts)
+                total = time.perf_counter() - t0
                 _check(dest, reference)
-            return {"total_s": total, "data_s": out.result.seconds, "bytes": out.result.bytes,
-                    "descriptors": out.result.descriptors,
-                    "verify_s": out.result.verify_seconds,
-                    "blocks": sum(len(v) for v in out.blocks.digests.values()),
-                    "blocks_checked_as_landed": out.checked_as_landed,
-                    **{f"phase_{k}_s": v for k, v in out.result.phases.items() if v}}
+                return {"total_s": total, "data_s": result.seconds, "bytes": result.bytes,
+                        "descriptors": result.descriptors,
+                        **{f"phase_{k}_s": v for k, v in result.phases.items() if v}}
 
-        cases = {
-            "local_same": lambda: same(True),
-            "local_across": lambda: across(True),
-            "local_across_after": lambda: across(True, as_landed=False),
-            "nixl_same": lambda: same(False),
-            "nixl_across": lambda: across(False),
-            "nixl_across_runs": lambda: across(False, covering=0),
-            "local_tp2": lambda: across(True, 2, 0),
-            "nixl_tp2_covering": lambda: across(False, 2, 0, covering=1 << 40),
-            "nixl_tp2_runs": lambda: across(False, 2, 0, covering=0),
-        }
-        if args.only:
-            cases = {k: v for k, v in cases.items() if k in args.only.split(",")}
-        for name, case in cases.items():  # one untimed round: imports, first connections
-            case()
-        for r in range(args.rounds):
-            for name, case in cases.items():
-                rows.setdefault(name, []).append(case())
-            _log(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{n} {rows[n][-1]['total_s']:.3f} s" for n in cases))
-        client.close()
+            def across(local: bool, tp: int = 1, rank: int = 0,
+                       covering: int = COVERING_BELOW, as_landed: bool = True) -> dict[str, float]:
+                dest, target = _fresh(ckpt, tp, rank)
+                opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
+                                   worker_id="bench-target", stall_s=120.0)
+                readers = None
+                if not as_landed:  # every block hashed after the copies (the readers offered none)
+                    default = layout_readers(opts, _no_nixl, torch.device("cpu"), covering)
+                    readers = lambda source: _AfterCopies(default(source))  # noqa: E731
+                t0 = time.perf_counter()
+                out = pull_across_layouts(identity(tp, rank, FAMILY, "bfloat16"), target, dest,
+                                          client=client, readers=readers,
+                                          options=opts, covering_below=covering)
+                total = time.perf_counter() - t0
+                if tp == 1:
+                    _check(dest, reference)
+                return {"total_s": total, "data_s": out.result.seconds, "bytes": out.result.bytes,
+                        "descriptors": out.result.descriptors,
+                        "verify_s": out.result.verify_seconds,
+                        "blocks": sum(len(v) for v in out.blocks.digests.values()),
+                        "blocks_checked_as_landed": out.checked_as_landed,
+                        **{f"phase_{k}_s": v for k, v in out.result.phases.items() if v}}
+
+            cases = {
+                "local_same": lambda: same(True),
+                "local_across": lambda: across(True),
+                "local_across_after": lambda: across(True, as_landed=False),
+                "nixl_same": lambda: same(False),
+                "nixl_across": lambda: across(False),
+                "nixl_across_runs": lambda: across(False, covering=0),
+                "local_tp2": lambda: across(True, 2, 0),
+                "nixl_tp2_covering": lambda: across(False, 2, 0, covering=1 << 40),
+                "nixl_tp2_runs": lambda: across(False, 2, 0, covering=0),
+            }
+            rows = _time_cases(cases, args)
+            client.close()
     finally:
-        for p in procs:
-            p.stop()
-        server.stop()
-        shutil.rmtree(ipc, ignore_errors=True)
         if not args.workdir:  # a checkpoint of its own (305 MB by default): not kept
             shutil.rmtree(work, ignore_errors=True)
+    out = {"bench": "layout", "checkpoint_bytes": nbytes, "hidden": args.hidden,
+           "layers": args.layers, "rounds": args.rounds, **_summary(rows)}
+    med = out["median"]
+    out["ratio_across_after_vs_same"] = (
+        med["local_across_after"]["total_s"] / med["local_same"]["total_s"]
+        if "local_across_after" in med and "local_same" in med else None)
+    return out
+
+
+def _time_cases(cases: dict[str, Any], args: argparse.Namespace
+                ) -> dict[str, list[dict[str, float]]]:
+    """``--only``'s cases: one untimed round (imports, first connections, checks), then
+    ``--rounds`` rounds, each case once a round in turn; every case's rows."""
+    if args.only:
+        cases = {k: v for k, v in cases.items() if k in args.only.split(",")}
+    for case in cases.values():
+        case()
+    rows: dict[str, list[dict[str, float]]] = {}
+    for r in range(args.rounds):
+        for name, case in cases.items():
+            rows.setdefault(name, []).append(case())
+        _log(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {rows[n][-1]['total_s']:.3f} s" for n in cases))
+    return rows
+
+
+def _summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Medians over the rounds, the across/same ratios (of totals and of data planes)
+    for each transport that ran both, and the host."""
+    import torch
+
     med = {name: {k: statistics.median(r.get(k, 0.0) for r in runs)
                   for k in sorted({k for r in runs for k in r})}
            for name, runs in rows.items()}
-    out = {"bench": "layout", "checkpoint_bytes": nbytes, "hidden": args.hidden,
-           "layers": args.layers, "rounds": args.rounds, "median": med,
-           "ratio_across_vs_same": {
-               t: med[f"{t}_across"]["total_s"] / med[f"{t}_same"]["total_s"]
-               for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
-           "ratio_across_after_vs_same": (
-               med["local_across_after"]["total_s"] / med["local_same"]["total_s"]
-               if "local_across_after" in med and "local_same" in med else None),
-           "ratio_data_plane": {
-               t: med[f"{t}_across"]["data_s"] / med[f"{t}_same"]["data_s"]
-               for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
-           "host": os.uname().nodename, "cpus": os.cpu_count(), "torch": torch.__version__,
-           "load_average_after": os.getloadavg()}
-    return out
+    both = [t for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med]
+    return {"median": med,
+            "ratio_across_vs_same": {t: med[f"{t}_across"]["total_s"] / med[f"{t}_same"]["total_s"]
+                                     for t in both},
+            "ratio_data_plane": {t: med[f"{t}_across"]["data_s"] / med[f"{t}_same"]["data_s"]
+                                 for t in both},
+            "host": os.uname().nodename, "cpus": os.cpu_count(), "torch": torch.__version__,
+            "load_average_after": os.getloadavg()}
 
 
 class _AfterCopies:
@@ -323,33 +326,14 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                      "nixl_same": lambda: same(False),
                      "nixl_across": lambda: across(False, 1, 0),
                      "nixl_tp2": lambda: across(False, 2, 1)}
-            if args.only:
-                cases = {k: v for k, v in cases.items() if k in args.only.split(",")}
-            for case in cases.values():  # untimed: imports, connections, the byte check
-                case()
-            for r in range(args.rounds):
-                for name, case in cases.items():
-                    rows.setdefault(name, []).append(case())
-                _log(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                    f"{n} {rows[n][-1]['total_s']:.3f} s" for n in cases))
+            rows = _time_cases(cases, args)  # the untimed round makes the byte checks
             client.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    med = {name: {k: statistics.median(r.get(k, 0.0) for r in runs)
-                  for k in sorted({k for r in runs for k in r})}
-           for name, runs in rows.items()}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"bench": "layout-synthetic", "device": str(device), "gpu": gpu,
             "dims": args.dims, "checkpoint_bytes": nbytes, "rounds": args.rounds,
-            "median": med,
-            "ratio_across_vs_same": {
-                t: med[f"{t}_across"]["total_s"] / med[f"{t}_same"]["total_s"]
-                for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
-            "ratio_data_plane": {
-                t: med[f"{t}_across"]["data_s"] / med[f"{t}_same"]["data_s"]
-                for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med},
-            "host": os.uname().nodename, "cpus": os.cpu_count(), "torch": torch.__version__,
-            "load_average_after": os.getloadavg()}
+            **_summary(rows)}
 
 
 def plan_only() -> dict[str, Any]:
