@@ -48,7 +48,7 @@ GPU_ENGINES = False
 """Whether a rank that loads into GPU memory takes part (derives, hashes, publishes and
 pulls layouts). The library fills GPU destinations across layouts
 (:func:`~modelexpress.p2p.layout_pull.pull_across_layouts`), but the derivation has not
-run inside vLLM's CUDA build (0.26 on the GPU machine), and engines of two
+run inside vLLM's CUDA build (0.26.0 is the one tested here), and engines of two
 tensor-parallel sizes, the test it needs, take two GPUs: until then a GPU rank says so
 in one line and loads as before."""
 
