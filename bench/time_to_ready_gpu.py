@@ -35,6 +35,10 @@ reported as such (``warm_restart_invalid``) and no ratio is taken against it:
 ``cold``               ``load_format=auto``, empty caches, page cache dropped
 ``warm``               ``auto`` again with a copy of ``cold``'s caches, the page cache
                        as ``cold`` left it (warm): a restart on the same host
+``warm2``              ``auto`` with a copy of ``warm``'s caches (at ``cold``'s paths):
+                       the restart after a restart. vLLM 0.26's first restart builds
+                       its warm-up's Triton kernels again (a cold start leaves them
+                       where an AOT load does not look); the second finds them
 ``fastsafetensors``    vLLM's ``fastsafetensors`` loader, ``warm``'s compile caches,
                        page cache dropped: the loader is what differs from ``warm``
 ``runai_streamer``     vLLM's ``runai_streamer`` loader, the same
@@ -209,6 +213,7 @@ class Case:
 CASES = (
     Case("cold", "disk"),
     Case("warm", "disk", caches="cold", page_cache="warm"),
+    Case("warm2", "disk", caches="warm", page_cache="warm"),
     Case("fastsafetensors", "disk", load_format="fastsafetensors", caches="cold",
          gpu_only="vLLM's fastsafetensors loader reads onto a CUDA device"),
     Case("runai_streamer", "disk", load_format="runai_streamer", caches="cold"),
@@ -223,6 +228,17 @@ CASES = (
     # cover the load format): the baseline where a run has no cold/warm pair
     Case("restart", "peer", caches="mx-source", page_cache="warm"),
 )
+
+
+def _first_of(name: str) -> str:
+    """The case that started with empty caches at the head of ``name``'s chain of
+    copies (``warm2`` -> ``warm`` -> ``cold``): whose paths a copy must stand at."""
+    by_name = {case.name: case for case in CASES}
+    while by_name[name].caches != "empty":
+        name = by_name[name].caches
+    return name
+
+
 # Rough seconds an engine of each kind takes at 8B on one H100 (the budget's estimate).
 _ESTIMATE_S = {"empty": 130.0, "warm": 80.0}
 
@@ -715,10 +731,12 @@ class Bench:
         if case.caches == "empty":
             dirs.create()
         else:
-            base = EngineDirs(self.work / "engines" / case.caches)
-            if not base.cache.exists():
+            copied = EngineDirs(self.work / "engines" / case.caches)
+            if not copied.cache.exists():
                 return self.skip(case, f"the caches of {case.caches} are not there")
-            dirs.create(copy_of=base)
+            dirs.create(copy_of=copied)
+            # the copy stands at the paths its first engine wrote the caches under
+            base = EngineDirs(self.work / "engines" / _first_of(case.caches))
         extra: dict[str, Any] = {"load_format": case.load_format,
                                  "caches": "empty" if case.caches == "empty"
                                  else f"a copy of {case.caches}'s"}
@@ -998,12 +1016,21 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not warm_valid:
         summary["warm_restart_invalid"] = ("the warm restart compiled again instead of "
                                            "loading its compile cache")
+    # The restart after a restart (its warm-up's Triton kernels cached) is the stricter
+    # baseline; the goal is taken against it where it ran and loaded its compile cache.
+    warm2_valid = "warm2" in ran and get("warm2", "compile_cache") != "compiled"
+    if "warm2" in ran and not warm2_valid:
+        summary["warm2_restart_invalid"] = ("the second restart compiled again instead of "
+                                            "loading its compile cache")
     for target in (art, "mx-artifacts-arena"):
         if target not in ran:
             continue
         suffix = "" if target == art else "_arena"
         summary[f"artifacts_over_warm{suffix}"] = (
             _ratio(get(target, "ready_s"), get("warm", "ready_s")) if warm_valid else None)
+        if warm2_valid:
+            summary[f"artifacts_over_warm2{suffix}"] = _ratio(get(target, "ready_s"),
+                                                              get("warm2", "ready_s"))
         summary[f"artifacts_over_cold{suffix}"] = _ratio(get(target, "ready_s"),
                                                          get("cold", "ready_s"))
         summary[f"loading_over_warm_page_cache{suffix}"] = _ratio(
@@ -1019,7 +1046,8 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             "warmup_after_graphs_le_3s": _le(get(art, "warmup_after_graphs_s"), 3.0),
             "loading_le_0.5x_warm_page_cache": _le(summary.get(
                 "loading_over_warm_page_cache"), 0.5),
-            "ready_le_0.85x_warm_restart": _le(summary.get("artifacts_over_warm"), 0.85),
+            "ready_le_0.85x_warm_restart": _le(summary.get(
+                "artifacts_over_warm2" if warm2_valid else "artifacts_over_warm"), 0.85),
             "ready_le_0.4x_cold": _le(summary.get("artifacts_over_cold"), 0.4),
             "copy_ge_0.9x_d2d": (None if summary.get("copy_over_d2d") is None
                                  else summary["copy_over_d2d"] >= 0.9),
