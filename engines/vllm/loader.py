@@ -327,24 +327,28 @@ class MxModelLoader(BaseModelLoader):
                                       "load; there is no loaded form to pull")
         else:
             attempt = _PullAttempt()
+
+            def fresh(model: nn.Module) -> nn.Module:
+                """``model``, or a new one if a failed attempt wrote into it (part of a
+                pull, or a whole pull that the probe rejected, then post-processed): the
+                next path (vLLM's ``load_weights`` included) needs it as built. The old
+                one goes first, so the device never holds two."""
+                if not attempt.touched:
+                    return model
+                attempt.touched = False
+                return self._recreate(model, vllm_config, model_config, prefix, device,
+                                      report, registrations)
+
             loaded = self._try_pull(model, model_config, device, report, attempt)
             if loaded is not None:
                 return model, loaded
             if self._layouts.eligible and not attempt.unreachable:
-                if attempt.touched:
-                    model = self._recreate(model, vllm_config, model_config, prefix, device,
-                                           report, registrations)
-                    attempt.touched = False
+                model = fresh(model)
                 loaded = self._try_across_layouts(model, model_config, device, report, attempt)
                 if loaded is not None:
                     return model, loaded
             if self.options.model_storage:
-                if attempt.touched:
-                    # the pull wrote into it (post-processed it, if the probe rejected it):
-                    # vLLM's load_weights over the fetched checkpoint needs a fresh model
-                    model = self._recreate(model, vllm_config, model_config, prefix, device,
-                                           report, registrations)
-                    attempt.touched = False
+                model = fresh(model)
                 loaded = self._try_zero(model, model_config, device, report, attempt)
                 if loaded is _SERVED_ELSEWHERE:
                     # An engine of this identity turned READY while this one took the
@@ -352,20 +356,12 @@ class MxModelLoader(BaseModelLoader):
                     # zero after all (storage then, rather than a disk that may be empty).
                     loaded = self._try_pull(model, model_config, device, report, attempt)
                     if loaded is None:
-                        if attempt.touched:
-                            model = self._recreate(model, vllm_config, model_config, prefix,
-                                                   device, report, registrations)
-                            attempt.touched = False
+                        model = fresh(model)
                         loaded = self._try_zero(model, model_config, device, report, attempt,
                                                 ask_elsewhere=False)
                 if loaded is not None:
                     return model, loaded
-            if attempt.touched:
-                # The failed attempt wrote into the model (part of a pull, or a whole pull
-                # that the probe rejected, then post-processed); the disk loader needs a
-                # fresh one. Drop the old one first so the device never holds two.
-                model = self._recreate(model, vllm_config, model_config, prefix, device,
-                                       report, registrations)
+            model = fresh(model)
         logger.info("modelexpress: loading %s from disk with the %s loader (%s)",
                     model_config.model, self.options.fallback_load_format,
                     report.fallback_reason)
