@@ -143,13 +143,31 @@ class _Runs:
     covering: list[tuple[Copy, "TensorEntry", int, int, int]]  # copy, entry, span off, n, at
     scratch_bytes: int
     device: Any
+    # copy, entry, first src off, first dst addr, src pitch, dst pitch, run, rows
+    pitched: list[tuple[Copy, "TensorEntry", int, int, int, int, int, int]] = \
+        dataclasses.field(default_factory=list)
+
+    @property
+    def moved(self) -> int:
+        """The bytes these runs read from the source."""
+        return (sum(len(s) * n for _, _, s, _, n in self.direct)
+                + sum(n for _, _, _, n, _ in self.covering)
+                + sum(run * rows for *_, run, rows in self.pitched))
+
+
+# cuMemcpy2D's pitches are bounded (CU_DEVICE_ATTRIBUTE_MAX_PITCH: 2^31 - 1 on the GPUs
+# this runs on); a copy whose rows lie further apart takes the per-run path
+_MAX_PITCH = (1 << 31) - 1
 
 
 def _runs_of(copies: Sequence[Copy], entries: Mapping[str, "TensorEntry"],
-             buffers: Mapping[str, "torch.Tensor"], covering_below: int) -> _Runs:
+             buffers: Mapping[str, "torch.Tensor"], covering_below: int,
+             pitched: bool = False) -> _Runs:
     """Each copy as byte runs contiguous on both sides, or, when they are shorter than
     ``covering_below``, as the one span of the source that covers them (read into a
-    scratch buffer at ``at``, then gathered: :func:`_gather`)."""
+    scratch buffer at ``at``, then gathered: :func:`_gather`). With ``pitched`` (a
+    reader that has 2D copies) and a CUDA destination, a copy of several runs equally
+    spaced on both sides is one pitched copy instead, whatever its run."""
     import numpy as np
 
     from modelexpress.layout.spans import covering_span, pair_runs
@@ -161,6 +179,14 @@ def _runs_of(copies: Sequence[Copy], entries: Mapping[str, "TensorEntry"],
         entry = _entry(entries, c, dst.dtype)
         itemsize = dst.element_size()
         s_off, d_off, run = pair_runs(c.src_box, entry.shape, c.dst_box, dst.shape, itemsize)
+        if pitched and len(s_off) > 1 and dst.device.type == "cuda":
+            s_pitch, d_pitch = int(s_off[1] - s_off[0]), int(d_off[1] - d_off[0])
+            if (run <= min(s_pitch, d_pitch) and max(s_pitch, d_pitch) <= _MAX_PITCH
+                    and bool(np.all(np.diff(s_off) == s_pitch))
+                    and bool(np.all(np.diff(d_off) == d_pitch))):
+                out.pitched.append((c, entry, int(s_off[0]), dst.data_ptr() + int(d_off[0]),
+                                    s_pitch, d_pitch, run, len(s_off)))
+                continue
         if len(s_off) > 1 and run < covering_below:
             off, n = covering_span(c.src_box, entry.shape, itemsize)
             out.covering.append((c, entry, off, n, out.scratch_bytes))
@@ -183,7 +209,9 @@ class LocalLayoutReader:
     hostcopy.HostCopier` (``pread`` on several threads, in C where it is built: no page
     faults on a mapping, the path a same-layout pull takes); runs shorter than
     ``covering_below`` are read as their covering span into scratch and gathered here.
-    Into a GPU, each run is a ``cuMemcpyAsync`` from the mapped source.
+    Into a GPU, a copy whose runs lie equally spaced on both sides (a 2D box: the rows
+    of a column slice) is one ``cuMemcpy2DAsync`` from the mapped source, any other run
+    a ``cuMemcpyAsync`` (short ones read as their covering span, as above).
 
     Args:
         endpoint: the source's local endpoint (published in its manifest).
@@ -220,7 +248,8 @@ class LocalLayoutReader:
         connect_s = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
-            runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below)
+            runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below,
+                            pitched=self.device is not None)
             scratch = (torch.empty(runs.scratch_bytes, dtype=torch.uint8, device=runs.device)
                        if runs.covering else None)
             in_pass = None
@@ -237,13 +266,13 @@ class LocalLayoutReader:
             raise PeerError(f"{self.endpoint.source_id}: {exc}") from exc
         finally:
             session.close()
-        moved = (sum(len(s) * n for _, _, s, _, n in runs.direct)
-                 + sum(n for _, _, _, n, _ in runs.covering))
+        moved = runs.moved
         self.copied = moved
         progress(moved)
         return ReadStats(bytes=moved, seconds=max(seconds, 1e-9), descriptors=count,
                          transport=self.transport, connect_seconds=connect_s,
                          detail=(f"modelexpress.local over {self.endpoint.path}: {count} runs, "
+                                 f"{len(runs.pitched)} pitched (2D), "
                                  f"{len(runs.covering)} covering span(s) gathered here, "
                                  f"{len(checked) + len(failed)} block(s) hashed as they "
                                  "landed"),
@@ -290,10 +319,14 @@ class LocalLayoutReader:
     def _device(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None") -> int:
         import torch
 
-        from modelexpress.local.cuda import memcpy_async
+        from modelexpress.local.cuda import memcpy2d_async, memcpy_async
 
         stream = torch.cuda.Stream(device=runs.device)
         count = 0
+        for _c, entry, s0, d0, s_pitch, d_pitch, run, rows in runs.pitched:
+            src = session.local_addr(entry.addr, entry.nbytes, entry.device == "cpu")
+            memcpy2d_async(d0, d_pitch, src + s0, s_pitch, run, rows, stream.cuda_stream)
+            count += 1
         for _c, entry, s_off, d_addr, run in runs.direct:
             src = session.local_addr(entry.addr, entry.nbytes, entry.device == "cpu")
             for s, d in zip(s_off.tolist(), d_addr.tolist()):

@@ -139,3 +139,62 @@ def test_blocks_one_source_supplies_are_hashed_as_they_land_and_the_rest_left_to
     left = [c for c in checks if c not in checked and c not in failed]
     assert [c.block for c in left] == [2, 3]
     assert check_blocks(left, {"dst": dst}, algo) == []  # their turn: after the copies
+
+
+class _CudaDestination:
+    """A destination tensor as `_runs_of` sees a CUDA one (its device, dtype, shape,
+    element size and address), its bytes held in host memory: CI has no GPU; the GPU
+    tests (tests/p2p/test_layout_devices.py) run the real cuMemcpy2DAsync."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.device, self.dtype, self.shape = t, torch.device("cuda", 0), t.dtype, t.shape
+
+    def element_size(self) -> int:
+        return self.t.element_size()
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+def _apply_pitched(src: torch.Tensor, dst: torch.Tensor, job: tuple) -> None:
+    """What cuMemcpy2D does: row i of ``run`` bytes from src + s0 + i * s_pitch to
+    dst + d0 + i * d_pitch."""
+    _c, _entry, s0, d_addr, s_pitch, d_pitch, run, rows = job
+    sb, db = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+    d0 = d_addr - dst.data_ptr()
+    for i in range(rows):
+        db[d0 + i * d_pitch:d0 + i * d_pitch + run] = sb[s0 + i * s_pitch:s0 + i * s_pitch + run]
+
+
+def test_a_column_slice_into_a_gpu_is_one_pitched_copy_and_other_boxes_are_not() -> None:
+    from modelexpress.layout.readers import _runs_of
+    from modelexpress.transfer.manifest import TensorEntry
+
+    src = torch.arange(8 * 32, dtype=torch.float32).view(8, 32)
+    dst = torch.zeros(8, 64)
+    entries = {"w": TensorEntry("w", "float32", (8, 32), src.nbytes, 0, "cuda:0")}
+    # a TP=2 shard of a row-parallel weight into the right half of the TP=1 tensor
+    column = Copy("s", "w", ((0, 8), (0, 32)), "d", ((0, 8), (32, 32)), src.nbytes)
+    runs = _runs_of([column], entries, {"d": _CudaDestination(dst)}, 64 << 10, pitched=True)
+    assert not runs.direct and not runs.covering and len(runs.pitched) == 1
+    *_, s_pitch, d_pitch, run, rows = runs.pitched[0]
+    assert (s_pitch, d_pitch, run, rows) == (32 * 4, 64 * 4, 32 * 4, 8)
+    assert runs.moved == src.nbytes
+    _apply_pitched(src, dst, runs.pitched[0])
+    assert torch.equal(dst[:, 32:], src) and not dst[:, :32].any()
+    # a row range is one run: nothing to pitch
+    rows_copy = Copy("s", "w", ((2, 4), (0, 32)), "d", ((0, 4), (0, 32)), 4 * 32 * 4)
+    runs = _runs_of([rows_copy], entries, {"d": _CudaDestination(torch.zeros(4, 32))},
+                    64 << 10, pitched=True)
+    assert len(runs.direct) == 1 and not runs.pitched
+    # a 3D box whose runs are not equally spaced takes the covering span, as before
+    src3 = torch.zeros(4, 6, 8)
+    entries3 = {"w": TensorEntry("w", "float32", (4, 6, 8), src3.nbytes, 0, "cuda:0")}
+    box3 = Copy("s", "w", ((0, 2), (0, 3), (0, 4)), "d", ((0, 2), (0, 3), (0, 4)), 96)
+    runs = _runs_of([box3], entries3, {"d": _CudaDestination(torch.zeros(2, 3, 4))},
+                    64 << 10, pitched=True)
+    assert len(runs.covering) == 1 and not runs.pitched
+    # host destinations, and readers without 2D copies, never pitch
+    for buffers, pitched in (({"d": dst}, True), ({"d": _CudaDestination(dst)}, False)):
+        runs = _runs_of([column], entries, buffers, 64 << 10, pitched=pitched)
+        assert len(runs.covering) == 1 and not runs.pitched
