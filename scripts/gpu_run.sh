@@ -38,11 +38,11 @@
 #                  logs come back as $OUT/engine.tgz
 #   vllm-pytest    any pytest path with the staged vLLM: VLLM_PYTEST="tests/... -k x"
 #   ttr            bench/time_to_ready_gpu.py, every case (an 8B-shaped checkpoint
-#                  written here, then vLLM engines one at a time: cold, warm restart,
-#                  fastsafetensors, runai_streamer, ours with pulled weights and
-#                  artifacts, VMM arena on and off); results in $OUT (results.json,
-#                  table.md, logs.tgz). It takes 12-15 minutes on one H100; in two
-#                  shorter commands:
+#                  written here, then vLLM engines one at a time: cold, a warm restart
+#                  and a restart after it, fastsafetensors, runai_streamer, ours with
+#                  pulled weights and artifacts, VMM arena on and off); results in $OUT
+#                  (results.json, table.md, logs.tgz). It takes 13-16 minutes on one
+#                  H100; in two shorter commands:
 #   ttr-disk       the checkpoint (if not there) and the disk cases
 #   ttr-peer       ours: a source and the pulled targets (after ttr-disk)
 #                  TTR_WORK (default /tmp/ttr) keeps the checkpoint and the engines'
