@@ -166,8 +166,8 @@ def _runs_of(copies: Sequence[Copy], entries: Mapping[str, "TensorEntry"],
     """Each copy as byte runs contiguous on both sides, or, when they are shorter than
     ``covering_below``, as the one span of the source that covers them (read into a
     scratch buffer at ``at``, then gathered: :func:`_gather`). With ``pitched`` (a
-    reader that has 2D copies) and a CUDA destination, a copy of several runs equally
-    spaced on both sides is one pitched copy instead, whatever its run."""
+    reader that has 2D copies), a CUDA source and a CUDA destination, a copy of several
+    runs equally spaced on both sides is one pitched copy instead, whatever its run."""
     import numpy as np
 
     from modelexpress.layout.spans import covering_span, pair_runs
@@ -179,7 +179,8 @@ def _runs_of(copies: Sequence[Copy], entries: Mapping[str, "TensorEntry"],
         entry = _entry(entries, c, dst.dtype)
         itemsize = dst.element_size()
         s_off, d_off, run = pair_runs(c.src_box, entry.shape, c.dst_box, dst.shape, itemsize)
-        if pitched and len(s_off) > 1 and dst.device.type == "cuda":
+        if (pitched and len(s_off) > 1 and dst.device.type == "cuda"
+                and entry.device != "cpu"):  # GPU to GPU: what the GPU tests cover
             s_pitch, d_pitch = int(s_off[1] - s_off[0]), int(d_off[1] - d_off[0])
             if (run <= min(s_pitch, d_pitch) and max(s_pitch, d_pitch) <= _MAX_PITCH
                     and bool(np.all(np.diff(s_off) == s_pitch))
@@ -209,9 +210,9 @@ class LocalLayoutReader:
     hostcopy.HostCopier` (``pread`` on several threads, in C where it is built: no page
     faults on a mapping, the path a same-layout pull takes); runs shorter than
     ``covering_below`` are read as their covering span into scratch and gathered here.
-    Into a GPU, a copy whose runs lie equally spaced on both sides (a 2D box: the rows
-    of a column slice) is one ``cuMemcpy2DAsync`` from the mapped source, any other run
-    a ``cuMemcpyAsync`` (short ones read as their covering span, as above).
+    GPU to GPU, a copy whose runs lie equally spaced on both sides (a 2D box: the rows
+    of a column slice) is one ``cuMemcpy2DAsync`` from the mapped source; any other run
+    into a GPU is a ``cuMemcpyAsync`` (short ones read as their covering span, as above).
 
     Args:
         endpoint: the source's local endpoint (published in its manifest).

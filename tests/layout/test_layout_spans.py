@@ -194,7 +194,10 @@ def test_a_column_slice_into_a_gpu_is_one_pitched_copy_and_other_boxes_are_not()
     runs = _runs_of([box3], entries3, {"d": _CudaDestination(torch.zeros(2, 3, 4))},
                     64 << 10, pitched=True)
     assert len(runs.covering) == 1 and not runs.pitched
-    # host destinations, and readers without 2D copies, never pitch
-    for buffers, pitched in (({"d": dst}, True), ({"d": _CudaDestination(dst)}, False)):
-        runs = _runs_of([column], entries, buffers, 64 << 10, pitched=pitched)
+    # host destinations, host sources, and readers without 2D copies never pitch
+    host_entries = {"w": TensorEntry("w", "float32", (8, 32), src.nbytes, 0, "cpu")}
+    for buffers, ents, pitched in (({"d": dst}, entries, True),
+                                   ({"d": _CudaDestination(dst)}, host_entries, True),
+                                   ({"d": _CudaDestination(dst)}, entries, False)):
+        runs = _runs_of([column], ents, buffers, 64 << 10, pitched=pitched)
         assert len(runs.covering) == 1 and not runs.pitched
