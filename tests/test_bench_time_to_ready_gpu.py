@@ -27,6 +27,25 @@ def _bench():  # noqa: ANN202 - the module
     return module
 
 
+TOKENS = [[1, 2, 3]]
+
+
+def _results(**cases: dict) -> dict:
+    """A run's results as the report reads them: a cold start (100 s), a warm restart
+    (60 s), a pulled engine with artifacts (40 s, a hit), then ``cases`` (a case's
+    fields updated, or a case added)."""
+    rows = {"cold": {"ready_s": 100.0, "tokens": TOKENS, "model_loading_s": 6.0},
+            "warm": {"ready_s": 60.0, "tokens": TOKENS, "model_loading_s": 4.0},
+            "mx-artifacts": {"ready_s": 40.0, "tokens": TOKENS, "model_loading_s": 1.5,
+                             "warmup_after_graphs_s": 1.0, "copy_gbps": 950.0,
+                             "vllm_model_loading_gib": 14.96,
+                             "load_max_allocated_gib": 15.1, "artifacts": "hit"}}
+    for name, fields in cases.items():
+        rows[name] = {**rows.get(name, {}), **fields}
+    return {"device": "cuda", "d2d_gbps": 1000.0, "checkpoint": {"bytes": 16_060_000_000},
+            "cases": rows}
+
+
 def test_the_phases_of_a_real_8b_engine_add_up_to_its_time_to_ready() -> None:
     bench = _bench()
     events = bench.read_events(RUN / "run1-logs" / "mx-artifacts.events.jsonl")
@@ -49,16 +68,7 @@ def test_the_phases_of_a_real_8b_engine_add_up_to_its_time_to_ready() -> None:
 
 def test_the_report_computes_the_goals_and_flags_different_tokens() -> None:
     bench = _bench()
-    tokens = [[1, 2, 3]]
-    results = {"device": "cuda", "d2d_gbps": 1000.0, "checkpoint": {"bytes": 16_060_000_000},
-               "cases": {
-                   "cold": {"ready_s": 100.0, "tokens": tokens, "model_loading_s": 6.0},
-                   "warm": {"ready_s": 60.0, "tokens": tokens, "model_loading_s": 4.0},
-                   "runai_streamer": {"skipped": "runai_model_streamer is not installed"},
-                   "mx-artifacts": {"ready_s": 40.0, "tokens": tokens, "model_loading_s": 1.5,
-                                    "warmup_after_graphs_s": 1.0, "copy_gbps": 950.0,
-                                    "vllm_model_loading_gib": 14.96,
-                                    "load_max_allocated_gib": 15.1, "artifacts": "hit"}}}
+    results = _results(runai_streamer={"skipped": "runai_model_streamer is not installed"})
     table, summary = bench.report(results)
     assert "| runai_streamer | skipped: runai_model_streamer is not installed |" in table
     assert summary["tokens_match"] is True
@@ -108,17 +118,8 @@ def test_no_ratio_is_taken_against_a_warm_restart_that_compiled_again() -> None:
     logs = RUN / "run4-logs"
     assert bench._ours((logs / "warm.log").read_text())["compile_cache"] == "compiled"
     assert bench._ours((logs / "mx-artifacts.log").read_text())["compile_cache"] == "loaded"
-    tokens = [[1, 2, 3]]
-    results = {"device": "cuda", "d2d_gbps": 1000.0, "checkpoint": {"bytes": 16_060_000_000},
-               "cases": {
-                   "cold": {"ready_s": 100.0, "tokens": tokens, "model_loading_s": 6.0},
-                   "warm": {"ready_s": 60.0, "tokens": tokens, "model_loading_s": 4.0,
-                            "compile_cache": "compiled"},
-                   "mx-artifacts": {"ready_s": 40.0, "tokens": tokens, "model_loading_s": 1.5,
-                                    "warmup_after_graphs_s": 1.0, "copy_gbps": 950.0,
-                                    "vllm_model_loading_gib": 14.96,
-                                    "load_max_allocated_gib": 15.1, "artifacts": "hit",
-                                    "compile_cache": "loaded"}}}
+    results = _results(warm={"compile_cache": "compiled"},
+                       **{"mx-artifacts": {"compile_cache": "loaded"}})
     _table, summary = bench.report(results)
     assert summary["artifacts_over_warm"] is None and "compiled again" in \
         summary["warm_restart_invalid"]
@@ -153,18 +154,10 @@ def test_the_second_restart_stands_at_the_first_engines_paths_and_sets_the_goal(
     bench = _bench()
     assert bench._first_of("warm2") == "cold" and bench._first_of("warm") == "cold"
     assert bench._first_of("restart") == "mx-source" and bench._first_of("cold") == "cold"
-    tokens = [[1, 2, 3]]
-    art = {"ready_s": 40.0, "tokens": tokens, "model_loading_s": 1.5,
-           "warmup_after_graphs_s": 1.0, "copy_gbps": 950.0, "vllm_model_loading_gib": 14.96,
-           "load_max_allocated_gib": 15.1, "artifacts": "hit", "compile_cache": "loaded"}
-    results = {"device": "cuda", "d2d_gbps": 1000.0, "checkpoint": {"bytes": 16_060_000_000},
-               "cases": {
-                   "cold": {"ready_s": 100.0, "tokens": tokens, "model_loading_s": 6.0},
-                   "warm": {"ready_s": 60.0, "tokens": tokens, "model_loading_s": 4.0,
-                            "compile_cache": "loaded"},
-                   "warm2": {"ready_s": 45.0, "tokens": tokens, "model_loading_s": 4.0,
-                             "compile_cache": "loaded"},
-                   "mx-artifacts": art}}
+    results = _results(warm={"compile_cache": "loaded"},
+                       warm2={"ready_s": 45.0, "tokens": TOKENS, "model_loading_s": 4.0,
+                              "compile_cache": "loaded"},
+                       **{"mx-artifacts": {"compile_cache": "loaded"}})
     _table, summary = bench.report(results)
     assert summary["artifacts_over_warm"] == 0.667
     assert summary["artifacts_over_warm2"] == 0.889
