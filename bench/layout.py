@@ -32,9 +32,8 @@ three source processes (``synthetic_source.py``: TP=1 and both TP=2 ranks, each 
 allocation on DEVICE, block digests hashed there) and this process as the target,
 its destination on DEVICE. Cases ``{local,nixl}_same``, ``{local,nixl}_across``
 (TP=2 -> TP=1) and ``{local,nixl}_tp2`` (TP=1 -> a TP=2 rank); on a GPU also
-``local_across_2d`` (the row-parallel weights' column halves by ``cuMemcpy2DAsync``
-instead of PyTorch's copy kernel: the baseline of that choice) and ``row_copies``
-(those copies alone, each way, against one contiguous copy of the same bytes). This is the GPU machine's
+``row_copies``: the row-parallel weights' column halves copied on their own by
+``cuMemcpy2DAsync``, against one contiguous copy of the same bytes. This is the GPU machine's
 run (one GPU: the sources are processes, not TP=2 engines); every case's first, untimed
 pull is compared byte for byte with the checkpoint's slices.
 
@@ -323,18 +322,8 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                         "verify_s": out.result.verify_seconds,
                         "blocks_checked_as_landed": out.checked_as_landed}
 
-            def across_2d() -> dict[str, float]:
-                from modelexpress.layout import readers
-
-                readers.PITCHED_COPY = "2d"
-                try:
-                    return across(True, 1, 0)
-                finally:
-                    readers.PITCHED_COPY = "kernel"
-
             cases = {"local_same": lambda: same(True),
                      "local_across": lambda: across(True, 1, 0),
-                     **({"local_across_2d": across_2d} if device.type == "cuda" else {}),
                      "local_tp2": lambda: across(True, 2, 1),
                      "nixl_same": lambda: same(False),
                      "nixl_across": lambda: across(False, 1, 0),
@@ -347,10 +336,6 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     out = {"bench": "layout-synthetic", "device": str(device), "gpu": gpu,
            "dims": args.dims, "checkpoint_bytes": nbytes, "rounds": args.rounds,
            **_summary(rows)}
-    med = out["median"]
-    if "local_across_2d" in med and "local_same" in med:
-        out["ratio_across_2d_vs_same"] = (med["local_across_2d"]["total_s"]
-                                          / med["local_same"]["total_s"])
     if device.type == "cuda":
         out["row_copies"] = row_copies(device, syn.SHAPES, args.rounds)
     return out
@@ -359,13 +344,13 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
 def row_copies(device: Any, shapes: dict[str, tuple[int, ...]], rounds: int
                ) -> dict[str, dict[str, float]]:
     """The row-parallel weights' copies on their own, in this process: a TP=2 shard
-    (``rows x cols/2``, contiguous) into its column half of the TP=1 tensor, by one
-    ``cuMemcpy2DAsync`` (``2d``) and by PyTorch's copy kernel on views of the two
-    addresses (``kernel``, what the local reader does), against one contiguous copy of
-    the same bytes (``whole``, cuMemcpyAsync); CUDA events, median of ``rounds`` x 5."""
+    (``rows x cols/2``, contiguous) into its column half of the TP=1 tensor by one
+    ``cuMemcpy2DAsync`` (``2d``, what the local reader does), against one contiguous
+    copy of the same bytes (``whole``, ``cuMemcpyAsync``); CUDA events, the median of
+    ``rounds`` x 5."""
     import torch
 
-    from modelexpress.local.cuda import copy_strided, memcpy2d_async, memcpy_async
+    from modelexpress.local.cuda import memcpy2d_async, memcpy_async
 
     stream = torch.cuda.Stream(device=device)
     out: dict[str, dict[str, float]] = {}
@@ -378,13 +363,12 @@ def row_copies(device: Any, shapes: dict[str, tuple[int, ...]], rounds: int
         ways = {"whole": lambda: memcpy_async(flat.data_ptr(), shard.data_ptr(), shard.nbytes,
                                                stream.cuda_stream),
                 "2d": lambda: memcpy2d_async(d0, cols * 4, shard.data_ptr(), run, run, rows,
-                                             stream.cuda_stream),
-                "kernel": lambda: copy_strided(d0, cols * 4, shard.data_ptr(), run, run, rows,
-                                               stream)}
+                                             stream.cuda_stream)}
         times: dict[str, list[float]] = {k: [] for k in ways}
         for _ in range(max(rounds, 1) * 5 + 1):  # the first of each: untimed
             for way, fn in ways.items():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
                 fn()
                 end.record(stream)

@@ -155,11 +155,6 @@ class _Runs:
                 + sum(run * rows for *_, run, rows in self.pitched))
 
 
-# How a pitched copy runs on the GPU: "kernel" (PyTorch's copy kernel on views of both
-# sides: local.cuda.copy_strided) or "2d" (one cuMemcpy2DAsync, the baseline that
-# bench/layout.py sets against it)
-PITCHED_COPY = "kernel"
-
 # cuMemcpy2D's pitches are bounded (CU_DEVICE_ATTRIBUTE_MAX_PITCH: 2^31 - 1 on the GPUs
 # this runs on); a copy whose rows lie further apart takes the per-run path
 _MAX_PITCH = (1 << 31) - 1
@@ -216,10 +211,8 @@ class LocalLayoutReader:
     faults on a mapping, the path a same-layout pull takes); runs shorter than
     ``covering_below`` are read as their covering span into scratch and gathered here.
     GPU to GPU, a copy whose runs lie equally spaced on both sides (a 2D box: the rows
-    of a column slice) is one strided copy by PyTorch's kernel straight from the mapped
-    source (:func:`~modelexpress.local.cuda.copy_strided`; :data:`PITCHED_COPY`); any
-    other run into a GPU is a ``cuMemcpyAsync`` (short ones read as their covering span,
-    as above).
+    of a column slice) is one ``cuMemcpy2DAsync`` from the mapped source; any other run
+    into a GPU is a ``cuMemcpyAsync`` (short ones read as their covering span, as above).
 
     Args:
         endpoint: the source's local endpoint (published in its manifest).
@@ -327,16 +320,13 @@ class LocalLayoutReader:
     def _device(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None") -> int:
         import torch
 
-        from modelexpress.local.cuda import copy_strided, memcpy2d_async, memcpy_async
+        from modelexpress.local.cuda import memcpy2d_async, memcpy_async
 
         stream = torch.cuda.Stream(device=runs.device)
         count = 0
         for _c, entry, s0, d0, s_pitch, d_pitch, run, rows in runs.pitched:
             src = session.local_addr(entry.addr, entry.nbytes, entry.device == "cpu")
-            if PITCHED_COPY == "2d":
-                memcpy2d_async(d0, d_pitch, src + s0, s_pitch, run, rows, stream.cuda_stream)
-            else:
-                copy_strided(d0, d_pitch, src + s0, s_pitch, run, rows, stream)
+            memcpy2d_async(d0, d_pitch, src + s0, s_pitch, run, rows, stream.cuda_stream)
             count += 1
         for _c, entry, s_off, d_addr, run in runs.direct:
             src = session.local_addr(entry.addr, entry.nbytes, entry.device == "cpu")

@@ -219,58 +219,6 @@ def memcpy2d_async(dst: int, dst_pitch: int, src: int, src_pitch: int, width: in
            f"(pitch {dst_pitch})", error=PeerError)
 
 
-# element widths a strided copy may move in one load/store, and their array-interface
-# type strings (the copy is bitwise: only the width matters)
-_WIDTHS = ((8, "<i8"), (4, "<i4"), (2, "<i2"), (1, "|u1"))
-
-
-def grid_interface(addr: int, rows: int, width: int, pitch: int, *offsets: int
-                   ) -> tuple[dict[str, Any], int]:
-    """The array interface (CUDA's or NumPy's: the same fields) of ``rows`` rows of
-    ``width`` bytes ``pitch`` apart at ``addr``, as elements of the widest size (8, 4, 2
-    or 1 bytes) that divides the width, the pitch, the address and every one of
-    ``offsets`` (the other side's address and pitch: both views must agree).
-
-    Returns:
-        ``(interface, element size)``.
-    """
-    for size, typestr in _WIDTHS:
-        if not any(v % size for v in (addr, width, pitch, *offsets)):
-            return ({"shape": (rows, width // size), "strides": (pitch, size),
-                     "typestr": typestr, "data": (addr, False), "version": 2}, size)
-    raise AssertionError("unreachable: every value is a multiple of 1")
-
-
-class _Grid:
-    """What ``torch.as_tensor`` wraps (no copy, no ownership): device memory at a raw
-    address. Version 2 of the interface carries no stream; the caller orders the work."""
-
-    def __init__(self, interface: dict[str, Any]) -> None:
-        self.__cuda_array_interface__ = interface
-
-
-def copy_strided(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
-                 height: int, stream: Any) -> None:
-    """The copy :func:`memcpy2d_async` makes (``height`` rows of ``width`` bytes, rows
-    ``src_pitch`` apart at ``src`` and ``dst_pitch`` apart at ``dst``), made by PyTorch's
-    copy kernel on the GPU's SMs instead: both sides viewed as 2D tensors at their
-    addresses (the source mapped from a peer process included), rows of 8-byte
-    elements where the alignment allows. ``cuMemcpy2DAsync`` moves rows of a few KiB
-    (the column halves of a row-parallel weight) far slower than whole tensors; a
-    kernel reads them at memory speed (``bench/layout.py --synthetic cuda:0`` measures
-    both).
-
-    Args:
-        stream: the ``torch.cuda.Stream`` to copy on (the destination's device).
-    """
-    import torch
-
-    d_if, _ = grid_interface(dst, height, width, dst_pitch, src, src_pitch)
-    s_if, _ = grid_interface(src, height, width, src_pitch, dst, dst_pitch)
-    with torch.cuda.stream(stream):  # each view on the device its address is on
-        torch.as_tensor(_Grid(d_if)).copy_(torch.as_tensor(_Grid(s_if)))
-
-
 class CudaMapping(ClosedOnCollect):
     """A source's device segments mapped into this process.
 

@@ -144,8 +144,7 @@ def test_blocks_one_source_supplies_are_hashed_as_they_land_and_the_rest_left_to
 class _CudaDestination:
     """A destination tensor as `_runs_of` sees a CUDA one (its device, dtype, shape,
     element size and address), its bytes held in host memory: CI has no GPU; the GPU
-    tests (tests/p2p/test_layout_devices.py, tests/local/test_gpu.py) run the real
-    copies."""
+    tests (tests/p2p/test_layout_devices.py) run the real cuMemcpy2DAsync."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t, self.device, self.dtype, self.shape = t, torch.device("cuda", 0), t.dtype, t.shape
@@ -165,36 +164,6 @@ def _apply_pitched(src: torch.Tensor, dst: torch.Tensor, job: tuple) -> None:
     d0 = d_addr - dst.data_ptr()
     for i in range(rows):
         db[d0 + i * d_pitch:d0 + i * d_pitch + run] = sb[s0 + i * s_pitch:s0 + i * s_pitch + run]
-
-
-@pytest.mark.parametrize("shift, run, width", [(0, 128, 8), (4, 128, 4), (2, 6, 2),
-                                               (1, 128, 1), (0, 12, 4)])
-def test_the_strided_copy_views_are_the_pitched_copy_rows(shift: int, run: int,
-                                                           width: int) -> None:
-    """copy_strided's two views (here as NumPy arrays over the same interface, host
-    memory) cover exactly the rows cuMemcpy2D copies, in the widest elements that every
-    address, pitch and the row length allow."""
-
-    from modelexpress.local.cuda import grid_interface
-
-    class _Host:
-        def __init__(self, interface: dict) -> None:
-            self.__array_interface__ = {**interface, "version": 3}
-
-    src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)[:8192]
-    dst, want = torch.zeros(8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8)
-    rows, s_pitch, d_pitch = 5, 512 + shift * 2, 1024
-    s0, d0 = 64 + shift, 256 + shift
-    job = (None, None, s0, want.data_ptr() + d0, s_pitch, d_pitch, run, rows)
-    _apply_pitched(src, want, job)
-    d_if, d_size = grid_interface(dst.data_ptr() + d0, rows, run, d_pitch,
-                                  src.data_ptr() + s0, s_pitch)
-    s_if, s_size = grid_interface(src.data_ptr() + s0, rows, run, s_pitch,
-                                  dst.data_ptr() + d0, d_pitch)
-    assert d_size == s_size == width
-    assert d_if["shape"] == (rows, run // width) and d_if["strides"] == (d_pitch, width)
-    np.copyto(np.asarray(_Host(d_if)), np.asarray(_Host(s_if)))
-    assert torch.equal(dst, want) and want.any()
 
 
 def test_a_column_slice_into_a_gpu_is_one_pitched_copy_and_other_boxes_are_not() -> None:

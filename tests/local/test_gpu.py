@@ -126,28 +126,3 @@ def test_gpu_source_killed_mid_copy_is_a_peer_error(make_source, layout):
         # in a fresh process make the count of the IPC case not comparable)
         assert r["context_ok"], r
         assert r["fds_after"] == r["fds_before"], r
-
-
-@pytest.mark.parametrize("shift, run", [(0, 8192), (4, 8192), (2, 6), (1, 28673)])
-def test_gpu_strided_copy_lands_the_rows_cuMemcpy2D_lands(shift: int, run: int) -> None:
-    """copy_strided (PyTorch's kernel on views of two raw addresses) and memcpy2d_async
-    write the same bytes, whatever the alignment decides the element width to be."""
-    from modelexpress.local.cuda import copy_strided, memcpy2d_async
-
-    rows, s_pitch, d_pitch = 33, run + 64 + shift, 2 * run + 128
-    src = torch.randint(0, 256, (rows * s_pitch + 256,), dtype=torch.uint8, device="cuda:0")
-    by_kernel, by_2d = (torch.zeros(rows * d_pitch + 256, dtype=torch.uint8, device="cuda:0")
-                        for _ in range(2))
-    s0, d0 = 16 + shift, 32 + shift
-    stream = torch.cuda.Stream(device="cuda:0")
-    copy_strided(by_kernel.data_ptr() + d0, d_pitch, src.data_ptr() + s0, s_pitch, run, rows,
-                 stream)
-    memcpy2d_async(by_2d.data_ptr() + d0, d_pitch, src.data_ptr() + s0, s_pitch, run, rows,
-                   stream.cuda_stream)
-    stream.synchronize()
-    assert torch.equal(by_kernel, by_2d) and by_2d.any()
-    # nothing outside the rows was written
-    written = torch.zeros_like(by_2d, dtype=torch.bool)
-    for i in range(rows):
-        written[d0 + i * d_pitch:d0 + i * d_pitch + run] = True
-    assert not by_2d[~written].any()
