@@ -21,7 +21,8 @@ NIXL ``across`` reads the short strided runs as covering spans and gathers them 
 rather than as its bytes land (the readers are offered no checks). ``tp2`` pulls a
 TP=2 rank from the TP=1 source (its row-parallel weights are column halves of the
 source's rows: ``tp2_covering`` reads whole rows and gathers, ``tp2_runs`` one run per
-row). Reported: each pull's ``total_s`` (the call) and ``data_s`` (its data plane), the
+row). Reported: each pull's ``total_s`` (the call), ``data_s`` (its data plane; the
+opening of its sources, ``connect_s`` or ``phase_connect_s``, apart from it), the
 median over rounds, and ``ratio_across_vs_same`` (medians of ``total_s``; goal <= 1.3).
 
 ``--synthetic DEVICE`` (``cpu`` or ``cuda:N``) runs the same comparison without vLLM, on
@@ -304,7 +305,8 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                 if not result.verified:
                     raise AssertionError("the same-layout pull checked no digests")
                 return {"total_s": total, "data_s": result.seconds, "bytes": result.bytes,
-                        "descriptors": result.descriptors, "verify_s": result.verify_seconds}
+                        "descriptors": result.descriptors, "verify_s": result.verify_seconds,
+                        "connect_s": result.connect_seconds}
 
             def across(local: bool, tp: int, rank: int) -> dict[str, float]:
                 target, dest = fresh(tp, rank)
@@ -320,6 +322,7 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                 return {"total_s": total, "data_s": out.result.seconds,
                         "bytes": out.result.bytes, "descriptors": out.result.descriptors,
                         "verify_s": out.result.verify_seconds,
+                        "connect_s": out.result.connect_seconds,
                         "blocks_checked_as_landed": out.checked_as_landed}
 
             cases = {"local_same": lambda: same(True),

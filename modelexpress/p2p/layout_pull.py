@@ -466,7 +466,11 @@ def _message(identity: "ModelIdentity", why: str, skipped: Sequence[Any]) -> str
 def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s, control_s,  # noqa: ANN001, ANN202
             plan_s, t_start, PullResult):  # noqa: N803
     nbytes = sum(r.bytes for r in results.values())
-    seconds = max(data_s, 1e-9)
+    # Each source is opened (mapped, or its connect READ made) as its reads begin, one
+    # after the other: on the critical path, but not the data plane, as in a same-layout
+    # pull (PullResult.connect_seconds)
+    connect_s = min(sum(r.connect_seconds for r in results.values()), data_s)
+    seconds = max(data_s - connect_s, 1e-9)
     transports = sorted({r.transport for r in results.values()})
     total_s = time.perf_counter() - t_start
     return PullResult(
@@ -476,11 +480,12 @@ def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s, contro
         tensors=len({c.dst for c in plan.copies if not c.dst.startswith("#")}),
         verified=True, skipped=tuple(skipped), warnings=(), total_seconds=total_s,
         verify_seconds=verify_s,
-        connect_seconds=max((r.connect_seconds for r in results.values()), default=0.0),
+        connect_seconds=connect_s,
         source_attributes={k: dict(by_id[k].manifest.attributes) for k in results},
         transfer_id=transfer_id, expected_transport="", transport_detail="; ".join(
             r.detail for r in results.values() if r.detail),
         phases={"control_plane": round(control_s, 6), "plan": round(plan_s, 6),
-                "data_plane": round(data_s, 6), "verify": round(verify_s, 6),
+                "connect": round(connect_s, 6), "data_plane": round(data_s - connect_s, 6),
+                "verify": round(verify_s, 6),
                 "other": round(max(total_s - control_s - plan_s - data_s - verify_s, 0.0), 6)},
         verdict="ok" if transports == ["local"] else "unknown")
