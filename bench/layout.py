@@ -22,7 +22,8 @@ rather than as its bytes land (the readers are offered no checks). ``tp2`` pulls
 TP=2 rank from the TP=1 source (its row-parallel weights are column halves of the
 source's rows: ``tp2_covering`` reads whole rows and gathers, ``tp2_runs`` one run per
 row). Reported: each pull's ``total_s`` (the call), ``data_s`` (its data plane; the
-opening of its sources, ``connect_s`` or ``phase_connect_s``, apart from it), the
+opening of its sources, ``connect_s`` or ``phase_connect_s``, apart from it, and for
+a pull across layouts their closing, ``close_s`` or ``phase_close_s``), the
 median over rounds, and ``ratio_across_vs_same`` (medians of ``total_s``; goal <= 1.3).
 
 ``--synthetic DEVICE`` (``cpu`` or ``cuda:N``) runs the same comparison without vLLM, on
@@ -323,6 +324,7 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                         "bytes": out.result.bytes, "descriptors": out.result.descriptors,
                         "verify_s": out.result.verify_seconds,
                         "connect_s": out.result.connect_seconds,
+                        "close_s": out.result.phases.get("close", 0.0),
                         "blocks_checked_as_landed": out.checked_as_landed}
 
             cases = {"local_same": lambda: same(True),

@@ -58,6 +58,7 @@ class ReadStats:
         transport: ``local``, or what UCX reported for the READ.
         detail: one line on how.
         connect_seconds: opening the source (mapping, or the connect READ).
+        close_seconds: closing it again (unmapping its memory).
         checked: the checks (of those passed in) whose block was hashed as its bytes
             landed and matched its digest.
         failed: those hashed as they landed that did not match. A check in neither
@@ -70,6 +71,7 @@ class ReadStats:
     transport: str
     detail: str = ""
     connect_seconds: float = 0.0
+    close_seconds: float = 0.0
     checked: tuple[Check, ...] = ()
     failed: tuple[Check, ...] = ()
 
@@ -266,12 +268,15 @@ class LocalLayoutReader:
         except (KeyError, ValueError) as exc:
             raise PeerError(f"{self.endpoint.source_id}: {exc}") from exc
         finally:
+            t_close = time.perf_counter()
             session.close()
+            close_s = time.perf_counter() - t_close
         moved = runs.moved
         self.copied = moved
         progress(moved)
         return ReadStats(bytes=moved, seconds=max(seconds, 1e-9), descriptors=count,
                          transport=self.transport, connect_seconds=connect_s,
+                         close_seconds=close_s,
                          detail=(f"modelexpress.local over {self.endpoint.path}: {count} runs, "
                                  f"{len(runs.pitched)} pitched (2D), "
                                  f"{len(runs.covering)} covering span(s) gathered here, "

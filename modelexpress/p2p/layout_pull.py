@@ -466,11 +466,12 @@ def _message(identity: "ModelIdentity", why: str, skipped: Sequence[Any]) -> str
 def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s, control_s,  # noqa: ANN001, ANN202
             plan_s, t_start, PullResult):  # noqa: N803
     nbytes = sum(r.bytes for r in results.values())
-    # Each source is opened (mapped, or its connect READ made) as its reads begin, one
-    # after the other: on the critical path, but not the data plane, as in a same-layout
-    # pull (PullResult.connect_seconds)
+    # Each source is opened (mapped, or its connect READ made) as its reads begin and
+    # closed (unmapped) after them, one after the other: on the critical path, but not
+    # the data plane, as in a same-layout pull (PullResult.connect_seconds, "close")
     connect_s = min(sum(r.connect_seconds for r in results.values()), data_s)
-    seconds = max(data_s - connect_s, 1e-9)
+    close_s = min(sum(r.close_seconds for r in results.values()), data_s - connect_s)
+    seconds = max(data_s - connect_s - close_s, 1e-9)
     transports = sorted({r.transport for r in results.values()})
     total_s = time.perf_counter() - t_start
     return PullResult(
@@ -485,7 +486,7 @@ def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s, contro
         transfer_id=transfer_id, expected_transport="", transport_detail="; ".join(
             r.detail for r in results.values() if r.detail),
         phases={"control_plane": round(control_s, 6), "plan": round(plan_s, 6),
-                "connect": round(connect_s, 6), "data_plane": round(data_s - connect_s, 6),
-                "verify": round(verify_s, 6),
+                "connect": round(connect_s, 6), "close": round(close_s, 6),
+                "data_plane": round(data_s - connect_s - close_s, 6), "verify": round(verify_s, 6),
                 "other": round(max(total_s - control_s - plan_s - data_s - verify_s, 0.0), 6)},
         verdict="ok" if transports == ["local"] else "unknown")

@@ -102,10 +102,11 @@ def test_a_tp4_rank_drops_the_source_whose_layout_lies_and_reads_the_tp2_ranks(w
     assert 0 < out.checked_as_landed <= sum(len(v) for v in out.blocks.digests.values())
     # the rank's blocks, checked, are what it would publish as a source of TP=4
     assert out.blocks.digests and out.layout.tp_size == 4
-    # opening the source (mapping its memory) is timed apart from the data plane, as in
-    # a same-layout pull; the phases add up to the call
+    # opening the source (mapping its memory) and closing it are timed apart from the
+    # data plane, as in a same-layout pull; the phases add up to the call
     phases = out.result.phases
     assert 0 < phases["connect"] == pytest.approx(out.result.connect_seconds, abs=1e-6)
+    assert phases["close"] > 0
     assert phases["data_plane"] == pytest.approx(out.result.seconds, abs=1e-6)
     assert sum(phases.values()) == pytest.approx(out.result.total_seconds, abs=1e-4)
 
