@@ -38,8 +38,9 @@ reported as such (``warm_restart_invalid``) and no ratio is taken against it:
 ``warm2``              ``auto`` with a copy of ``warm``'s caches (at ``cold``'s paths):
                        the restart after a restart. vLLM 0.26's first restart built
                        its warm-up's Triton kernels again (a cold start left them
-                       where the restart did not look); the second starts with those
-                       the first built (whether it uses them: not yet measured)
+                       where the restart did not look); the second uses those the
+                       first built (run9 on one H100: warm-up after capture 0.73 s
+                       against the first restart's 15.8 s)
 ``fastsafetensors``    vLLM's ``fastsafetensors`` loader, ``warm``'s compile caches,
                        page cache dropped: the loader is what differs from ``warm``
 ``runai_streamer``     vLLM's ``runai_streamer`` loader, the same
@@ -1018,8 +1019,8 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         summary["warm_restart_invalid"] = ("the warm restart compiled again instead of "
                                            "loading its compile cache")
     # The restart after a restart (with the Triton kernels the first restart built) is
-    # expected to be as fast or faster: the goal is taken against it where it ran and
-    # loaded its compile cache.
+    # the faster baseline: the goal is taken against it where it ran and loaded its
+    # compile cache.
     warm2_valid = "warm2" in ran and get("warm2", "compile_cache") != "compiled"
     if "warm2" in ran and not warm2_valid:
         summary["warm2_restart_invalid"] = ("the second restart compiled again instead of "
