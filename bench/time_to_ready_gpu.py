@@ -596,6 +596,15 @@ def _ours(text: str) -> dict[str, Any]:
     # vLLM's own verdict on its compile cache: loaded, or compiled (and saved) afresh
     out["compile_cache"] = ("loaded" if "Directly load AOT compilation" in text
                             else "compiled" if "saved AOT compiled function" in text else None)
+    # its graphs: loaded through vLLM's compiled-graph index, or compiled again (from
+    # inductor's cache) because the engine had no index for them
+    m = re.search(r"(?:Compiling a graph|Directly load the compiled graph\(s\)) for "
+                  r"compile range .*?(?:takes|took) ([\d.]+) s", text)
+    out["graphs"] = (None if m is None else
+                     "compiled" if m.group(0).startswith("Compiling") else "loaded")
+    out["graphs_s"] = float(m.group(1)) if m else None
+    m = re.search(r"installed vLLM's compiled-graph index \((\d+) graph entries", text)
+    out["graph_index"] = int(m.group(1)) if m else None
     m = re.search(r"installed (\d+) compiled-artifact files \(([\d.]+) MB\).* in ([\d.]+) s", text)
     if m:
         out.update(artifact_files=int(m.group(1)), artifact_mb=float(m.group(2)),

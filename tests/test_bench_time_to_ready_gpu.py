@@ -167,3 +167,16 @@ def test_the_second_restart_stands_at_the_first_engines_paths_and_sets_the_goal(
     assert "artifacts_over_warm2" not in summary and "compiled again" in \
         summary["warm2_restart_invalid"]
     assert summary["goals"]["ready_le_0.85x_warm_restart"] is True
+
+
+def test_the_graphs_are_told_loaded_from_an_index_or_compiled_again() -> None:
+    """Run9 (H100, vLLM 0.26, torch 2.11): the pulled engine had no compiled-graph index
+    and compiled its graphs again from inductor's cache; the second restart loaded them
+    through its own index."""
+    bench = _bench()
+    logs = RUN / "run9-logs"
+    pulled = bench._ours((logs / "mx-artifacts.log").read_text())
+    assert (pulled["graphs"], pulled["graphs_s"], pulled["graph_index"]) == \
+        ("compiled", 2.37, None)
+    warm2 = bench._ours((logs / "warm2.log").read_text())
+    assert (warm2["graphs"], warm2["graphs_s"]) == ("loaded", 1.072)

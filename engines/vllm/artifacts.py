@@ -13,13 +13,16 @@ holds its weights (before post-processing; vLLM compiles after ``load_model``)::
     loaded(pulled_weights): the weights' source is known (serving follows it)
     observer attached: vLLM's log records (compilation, then the engine warm)
              vLLM names its cache dir -> the set's Triton entries linked into the
-                                         Triton dir vLLM is about to use (its thread)
+                                         Triton dir vLLM is about to use, and its
+                                         compiled-graph index installed there
+                                         (without the mega AOT artifact; its thread)
     background thread, once vLLM says compiling ended:
              installed -> verdict hit | miss, and whether vLLM compiled anyway
     then, once the engine is fully warm (CUDA graphs captured, warm-up run):
              serve: a hit that built nothing -> the installed set, byte for byte
                     else: cache quiet for MX_ARTIFACT_SETTLE_S -> pack (vLLM's
-                    directories + Triton's entries), sign, publish
+                    directories, its compiled-graph index and the artifacts it names,
+                    Triton's entries), sign, publish
 
 Sets are published as content variants (``mx_variants: by-content``): replicas that
 compiled for themselves serve sets of other bytes under one identity side by side, and
@@ -97,6 +100,9 @@ class ArtifactReport:
             caches packed), once serving.
         triton_built: Triton kernels this engine built itself during compilation and
             warm-up (entries it wrote that the pulled set lacked); None until warm.
+        graph_index: entries of vLLM's compiled-graph index installed from the set
+            (:func:`~modelexpress.engines.vllm.compile_cache.install_graph_index`); None
+            when none was installed.
         identity_id: the artifact identity.
     """
 
@@ -112,6 +118,7 @@ class ArtifactReport:
     serving: str | None = None
     served_as: str | None = None
     triton_built: int | None = None
+    graph_index: int | None = None
     identity_id: str | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
@@ -289,7 +296,9 @@ class ArtifactStep:
 
     def _on_backend_dir(self, local_cache_dir: str) -> None:
         """vLLM named its compile directory (on its own thread, before it compiles): put
-        the set's Triton entries where it is about to point Triton."""
+        the set's compiled-graph index there and its Triton entries where it is about to
+        point Triton."""
+        self._install_graph_index(local_cache_dir)
         vdir = cc.vllm_triton_dir(local_cache_dir)
         if vdir is None:
             return
@@ -301,6 +310,27 @@ class ArtifactStep:
         added = cc.link_entries(own, vdir, self._triton_files)
         log.info("modelexpress: linked %d pulled Triton files into vLLM's Triton cache %s in "
                  "%.3f s", added, vdir, time.perf_counter() - t0)
+
+    def _install_graph_index(self, local_cache_dir: str) -> None:
+        installed = self._installed
+        if installed is None or not self.layout.aot:
+            return  # without AOT the index is inside the rank directory installed whole
+        aset, blob = installed
+        import numpy as np
+
+        raw = memoryview(np.ascontiguousarray(blob.cpu().numpy())).cast("B")
+        got = cc.install_graph_index(aset, raw, self.layout.cache_root, local_cache_dir,
+                                     self.layout.rank_dir)
+        if got is None:
+            return
+        if isinstance(got, str):
+            log.info("modelexpress: vLLM's compiled-graph index not installed: %s; vLLM "
+                     "compiles its graphs again from inductor's cache", got)
+            return
+        self.report.graph_index = got.graphs
+        log.info("modelexpress: installed vLLM's compiled-graph index (%d graph entries, %d "
+                 "files, %.1f MB) into %s in %.3f s", got.graphs, got.files, got.bytes / 1e6,
+                 local_cache_dir, got.seconds)
 
     # --- after vLLM compiled ---------------------------------------------------------
     def _after_compile(self) -> None:
@@ -407,7 +437,9 @@ class ArtifactStep:
             return
         paths = self.layout.rank_paths(prefixes)
         triton = self._triton_dirs()
-        if not cc.quiet_for(paths + [d for _k, d, _s in triton], self._settle_s,
+        backend_dirs = list(dict.fromkeys(events.backend_dirs)) if self.layout.aot else []
+        if not cc.quiet_for(paths + [d for _k, d, _s in triton]
+                            + [pathlib.Path(d) for d in backend_dirs], self._settle_s,
                             _COMPILE_DEADLINE_S):
             log.warning("modelexpress: the compile cache kept changing; not serving artifacts")
             return
@@ -422,6 +454,14 @@ class ArtifactStep:
         for kind, directory, since in triton:
             roots[kind] = directory
             dirs += [(kind, entry) for entry in cc.triton_entries(directory, since=since)]
+        # vLLM's compiled-graph index and what it names (none with the mega AOT artifact)
+        backend = [f for d in backend_dirs
+                   for f in cc.backend_source_files(self.layout.cache_root, d)]
+        if backend:
+            roots[cc.VLLM_BACKEND_KIND] = self.layout.cache_root
+            dirs += [(cc.VLLM_BACKEND_KIND, f) for f in dict.fromkeys(backend)]
+            log.info("modelexpress: the artifacts carry vLLM's compiled-graph index of %s "
+                     "(%d files)", ", ".join(backend_dirs), len(backend))
         try:
             aset, buf = pack_files(roots, dirs, units=self.layout.units(prefixes),
                                    prefixes={path: name for name, path in prefixes.items()},

@@ -40,6 +40,18 @@ wrote there) and :data:`VLLM_TRITON_KIND` (the one that adapter set). A target
 installs both into its own directory, and links them into that adapter's the moment
 vLLM names it (its "Using cache directory" record, logged just before).
 
+Without vLLM's "mega" AOT artifact (vLLM 0.26 on torch < 2.12, or
+``VLLM_USE_MEGA_AOT_ARTIFACT=0``) the AOT-compiled model holds the graph, not its
+compiled pieces: loading it runs vLLM's backend again, which looks each piece up in
+``torch_compile_cache/<config hash>/rank_<r>_<dp>/<prefix>/vllm_compile_cache.py`` (the
+compiled-graph index: ``(compile range, piece, compiler) -> (name, absolute path)``) and
+loads the standalone-compiled artifact it names, else compiles the piece again through
+inductor's cache (1.2-2.4 s at 8B on an H100). That config hash covers the checkpoint's
+path and the host's directories, so a target cannot compute it before vLLM names it.
+The index and the artifacts it names travel as :data:`VLLM_BACKEND_KIND`; a target
+installs them when vLLM names that directory (:func:`install_graph_index`), the index's
+paths pointing there, and never over an index the engine has of its own.
+
 Whether the engine used the files is observed, not assumed: :class:`CompileObserver`
 reads vLLM's own compilation log records (AOT loaded, AOT load failed and compiled
 again, compiled and saved, and the directory each names), and the target compares
@@ -53,6 +65,7 @@ Every vLLM name this feature touches is in this module.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import dataclasses
@@ -63,6 +76,7 @@ import logging
 import os
 import pathlib
 import platform
+import pprint
 import re
 import shutil
 import sys
@@ -71,14 +85,16 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from modelexpress.artifacts import InstallUnit
+from modelexpress.artifacts import ArtifactSet, InstallUnit
 from modelexpress.identity import ModelIdentity
 
 if TYPE_CHECKING:
     from torch import nn
     from vllm.config import VllmConfig
 
-__all__ = ["KIND", "TRITON_KIND", "VLLM_TRITON_KIND", "CompileLayout", "CompileObserver",
+__all__ = ["KIND", "TRITON_KIND", "VLLM_BACKEND_KIND", "VLLM_TRITON_KIND", "CompileLayout",
+           "CompileObserver", "GRAPH_INDEX", "backend_source_files", "install_graph_index",
+           "rewrite_graph_index",
            "artifact_identity", "MODELINFOS", "compile_disabled_reason", "config_drift",
            "config_snapshot", "inductor_triton_files", "layout_of", "link_entries",
            "modelinfos_identity", "platform_facts", "process_start_time", "software_facts",
@@ -95,6 +111,12 @@ VLLM_TRITON_KIND = "triton_vllm"
 """Artifact kind of Triton cache entries from the directory vLLM points Triton at while
 it compiles and warms up (:func:`vllm_triton_dir`): inductor's kernels and vLLM's own
 Triton ops."""
+VLLM_BACKEND_KIND = "vllm_backend"
+"""Artifact kind of vLLM's compiled-graph index and the artifacts it names, relative to
+``VLLM_CACHE_ROOT`` (``torch_compile_cache/<config hash>/rank_<r>_<dp>/<prefix>/...``);
+installed where the target's vLLM names its own directory (:func:`install_graph_index`)."""
+GRAPH_INDEX = "vllm_compile_cache.py"
+"""vLLM's compiled-graph index in a backend directory (a Python literal)."""
 _COMPILE_LOGGER = "vllm.compilation"
 # Loggers of the records that say the engine is fully warm (each raised to INFO if
 # needed, as the compilation logger is: our markers are INFO records).
@@ -485,6 +507,187 @@ def link_entries(src: pathlib.Path, dst: pathlib.Path, files: list[str]) -> int:
     return added
 
 
+# --- vLLM's compiled-graph index (no mega AOT artifact) ------------------------------------
+_BACKEND_DIR = re.compile(r"^torch_compile_cache/([^/]+)/(rank_\d+_\d+)/([^/]+)$")
+_BACKEND_FILE = re.compile(r"^torch_compile_cache/([^/]+)/(rank_\d+_\d+)/([^/]+)/(.+)$")
+_MAX_INDEX_BYTES = 4 << 20
+
+
+def _graph_index(text: str) -> dict[Any, dict[str, Any]]:
+    """vLLM's compiled-graph index, parsed as a literal (never run as code), each entry's
+    ``graph_handle`` a ``(name, path)`` pair whose name is one plain file name.
+
+    Raises:
+        ValueError: not such an index.
+    """
+    if len(text) > _MAX_INDEX_BYTES:
+        raise ValueError(f"an index of {len(text)} characters")
+    try:
+        data = ast.literal_eval(text)
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:
+        raise ValueError(f"not a Python literal: {type(exc).__name__}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a {type(data).__name__}, not a dict")
+    for key, value in data.items():
+        handle = value.get("graph_handle") if isinstance(value, dict) else None
+        if not (isinstance(handle, tuple) and len(handle) == 2
+                and all(isinstance(h, str) for h in handle)):
+            raise ValueError(f"entry {key!r} has no (name, path) graph handle")
+        name = handle[0]
+        if not name or "/" in name or name in (".", "..", GRAPH_INDEX):
+            raise ValueError(f"entry {key!r}: handle name {name!r} is not a plain file name")
+    return data
+
+
+def backend_source_files(cache_root: pathlib.Path, local_cache_dir: str) -> list[str]:
+    """What a source carries of a backend directory vLLM named: its compiled-graph index
+    and the artifacts the index names, relative to ``cache_root``, the index first.
+
+    Empty when there is nothing to carry as it is: no index, an index without entries
+    (vLLM's mega AOT artifact holds the pieces itself), a directory outside
+    ``cache_root``, a handle that does not point into the directory, or an artifact the
+    index names that is not there.
+    """
+    where = pathlib.Path(os.path.normpath(local_cache_dir))
+    root = pathlib.Path(os.path.normpath(cache_root))
+    if not where.is_relative_to(root):
+        return []
+    rel = where.relative_to(root).as_posix()
+    if not _BACKEND_DIR.match(rel):
+        return []
+    try:
+        entries = _graph_index((where / GRAPH_INDEX).read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        log.info("modelexpress: vLLM's compiled-graph index in %s is not carried: %s", where, exc)
+        return []
+    names = set()
+    for key, value in entries.items():
+        name, path = value["graph_handle"]
+        if os.path.normpath(path) != str(where / name) or not os.path.lexists(where / name):
+            log.info("modelexpress: vLLM's compiled-graph index in %s is not carried: entry "
+                     "%r names %s, not a file of that directory", where, key, path)
+            return []
+        names.add(name)
+    return [f"{rel}/{GRAPH_INDEX}", *(f"{rel}/{n}" for n in sorted(names))] if names else []
+
+
+def rewrite_graph_index(text: str, where: pathlib.Path, names: set[str]) -> tuple[str, int]:
+    """The index ``text`` with every handle pointing into ``where`` (the directory it is
+    installed in), written as vLLM writes it; and its number of entries.
+
+    Raises:
+        ValueError: not an index, or an entry names an artifact that is not in ``names``.
+    """
+    out = {}
+    for key, value in _graph_index(text).items():
+        name = value["graph_handle"][0]
+        if name not in names:
+            raise ValueError(f"entry {key!r} names {name!r}, which the set does not carry")
+        out[key] = {**value, "graph_handle": (name, str(where / name))}
+    return pprint.PrettyPrinter(indent=4).pformat(out), len(out)
+
+
+@dataclasses.dataclass
+class GraphIndexInstall:
+    """A compiled-graph index installed: its entries, the files written, their bytes."""
+
+    graphs: int
+    files: int
+    bytes: int
+    seconds: float
+
+
+def install_graph_index(aset: ArtifactSet, raw: memoryview, cache_root: pathlib.Path,
+                        local_cache_dir: str, rank_dir: str) -> GraphIndexInstall | str | None:
+    """Install the set's compiled-graph index for the backend directory vLLM just named.
+
+    Called on vLLM's thread, from its "Using cache directory" record, before vLLM reads
+    the index there. The artifacts go first, the index (its handles pointing into
+    ``local_cache_dir``) last, as a new file: an index vLLM can read names only files
+    that are there, and an index of the engine's own is never replaced.
+
+    Args:
+        aset, raw: the installed set and its verified bytes.
+        cache_root: this engine's ``VLLM_CACHE_ROOT``.
+        local_cache_dir: the directory vLLM named
+            (``<root>/torch_compile_cache/<config hash>/rank_<r>_<dp>/<prefix>``).
+        rank_dir: this engine's ``rank_<r>_<dp>``.
+
+    Returns:
+        What was installed; a reason (one line) when the set carries an index for this
+        prefix that was not installed; None when it carries none.
+    """
+    t0 = time.perf_counter()
+    where = pathlib.Path(os.path.normpath(local_cache_dir))
+    root = pathlib.Path(os.path.normpath(cache_root))
+    if not where.is_relative_to(root):
+        return None
+    named = _BACKEND_DIR.match(where.relative_to(root).as_posix())
+    if named is None or named.group(2) != rank_dir:
+        return None
+    prefix = named.group(3)
+    by_hash: dict[str, dict[str, Any]] = {}
+    for f in aset.files:
+        found = _BACKEND_FILE.match(f.path) if f.kind == VLLM_BACKEND_KIND else None
+        if found and found.group(2) == rank_dir and found.group(3) == prefix:
+            by_hash.setdefault(found.group(1), {})[found.group(4)] = f
+    if not by_hash:
+        return None
+    if len(by_hash) > 1:
+        return f"the set carries {len(by_hash)} indexes for {rank_dir}/{prefix}"
+    files = dict(next(iter(by_hash.values())))
+    index = files.pop(GRAPH_INDEX, None)
+    if index is None:
+        return f"the set carries artifacts for {rank_dir}/{prefix} but no index"
+    if os.path.lexists(where / GRAPH_INDEX):
+        return f"vLLM has an index of its own at {where / GRAPH_INDEX}"
+    try:
+        text = bytes(raw[index.offset:index.offset + index.size]).decode()
+        rewritten, graphs = rewrite_graph_index(
+            text, where, {inner.split("/", 1)[0] for inner in files})
+    except (UnicodeDecodeError, ValueError) as exc:
+        return f"the set's index for {rank_dir}/{prefix} is not usable: {exc}"
+    written = 0
+    for inner, f in sorted(files.items()):
+        _write_file(where / inner, raw[f.offset:f.offset + f.size], f.mode, replace=True)
+        written += f.size
+    data = rewritten.encode()
+    if not _write_file(where / GRAPH_INDEX, memoryview(data), index.mode, replace=False):
+        return f"vLLM wrote an index of its own at {where / GRAPH_INDEX} meanwhile"
+    return GraphIndexInstall(graphs, len(files) + 1, written + len(data),
+                             time.perf_counter() - t0)
+
+
+def _write_file(dst: pathlib.Path, data: memoryview, mode: int, *, replace: bool) -> bool:
+    """Write ``data`` to ``dst`` through a temporary file beside it; ``replace=False``
+    never over an existing file (False then). The parent is made if needed."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.mx-{os.getpid()}-{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = data
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.chmod(tmp, mode & 0o777 or 0o644)
+        if replace:
+            os.replace(tmp, dst)
+            return True
+        try:
+            os.link(tmp, dst)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
 def platform_facts(device: Any) -> dict[str, str]:
     """Software and device facts a compiled artifact is valid for."""
     import torch
@@ -562,6 +765,7 @@ class CompileEvents:
     aot_saved: int = 0
     compiled: int = 0
     graph_cache_loaded: int = 0
+    graphs_compiled: int = 0
     load_failure: str = ""
     dirs: list[str] = dataclasses.field(default_factory=list)
     done_at: float | None = None
@@ -594,7 +798,13 @@ class CompileEvents:
             return ("miss", compiled, f"vLLM compiled into {elsewhere[0]}, the artifacts went "
                     f"to {installed_dirs[0] if installed_dirs else '(nowhere)'}")
         if self.aot_loaded and not compiled:
-            return "hit", False, "vLLM loaded the AOT-compiled model from the pulled cache"
+            how = ""
+            if self.graphs_compiled:  # no index for its graphs: inductor's cache served
+                how = (f", compiling {self.graphs_compiled} graph range(s) again from "
+                       "inductor's cache")
+            elif self.graph_cache_loaded:
+                how = ", its graphs from the pulled compiled-graph index"
+            return "hit", False, f"vLLM loaded the AOT-compiled model from the pulled cache{how}"
         if self.graph_cache_loaded and not new_kernels and not self.aot_saved:
             return "hit", False, "vLLM loaded every compiled graph from the pulled cache"
         why = (f"vLLM compiled again ({self.load_failure})" if self.load_failure
@@ -640,6 +850,7 @@ class CompileObserver(logging.Handler):
         ("torch.compile took", "compiled"),
         ("torch.compile takes", "compiled"),
         ("Directly load the compiled graph", "graph_cache_loaded"),
+        ("Compiling a graph for compile range", "graphs_compiled"),
     )
     _ENDS = ("aot_saved", "compiled", "aot_loaded")
     # The engine is warm: the engine core's last start-up line (in the worker's

@@ -197,7 +197,7 @@ def collect_files(roots: Mapping[str, pathlib.Path], dirs: Iterable[tuple[str, s
 
     Args:
         roots: kind -> the cache root it lives under.
-        dirs: ``(kind, path relative to that root)`` directories to walk.
+        dirs: ``(kind, path relative to that root)``: directories to walk, or files.
         skip_dirs: directory names never collected (inductor's empty lock files).
 
     Symbolic links and special files are skipped (logged at DEBUG): a set only ever
@@ -212,7 +212,14 @@ def collect_files(roots: Mapping[str, pathlib.Path], dirs: Iterable[tuple[str, s
             raise ConfigError(f"artifact kind {kind!r} has no root; known: {sorted(roots)}")
         root = pathlib.Path(roots[kind])
         top = root / rel
-        if not top.is_dir() or top.is_symlink():
+        if top.is_symlink():
+            continue
+        if top.is_file():  # one file named on its own
+            st = os.lstat(top)
+            out.append((kind, top.relative_to(root).as_posix(), top, st.st_size,
+                        st.st_mode & 0o777))
+            continue
+        if not top.is_dir():
             continue
         for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
             dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs

@@ -14,6 +14,10 @@ a real control plane on 127.0.0.1, each engine with its own ``VLLM_CACHE_ROOT``:
 * C: the same checkpoint at another path (vLLM's own cache key differs), empty cache
   root: gets the artifacts (``hit``).
 
+Where A's vLLM keeps a compiled-graph index (no mega AOT artifact: vLLM 0.26 on torch
+2.11), B and C install it where their vLLM names its directory and load every graph
+from it, compiling none again.
+
 Tokens are compared among compiled engines. Times to ready go to ``summary.json`` in
 the log directory; nothing here asserts a time.
 """
@@ -71,6 +75,9 @@ def test_a_pulled_gpu_engine_loads_its_compiled_graph_from_the_pulled_cache(logs
             a.wait_answered(READY_S)
             a.wait_for_log(r"serving compiled artifacts of rank 0", 120)
             summary["A-cold"] = a.figures()
+            indexed = "Cache the graph of compile range" in a.log_text()
+            if indexed:
+                assert "carry vLLM's compiled-graph index" in a.log_text(), a.log_tail()
             shutil.copytree(tmp_path / "cache-a", tmp_path / "cache-w", symlinks=True)
             with LlmEngine("W-warm", ckpt, logs, load_format="auto",
                            env=engine_env(VLLM_CACHE_ROOT=str(tmp_path / "cache-w")),
@@ -90,6 +97,7 @@ def test_a_pulled_gpu_engine_loads_its_compiled_graph_from_the_pulled_cache(logs
                     assert re.search(r"rank 0 loaded from peer", log), b.log_tail()
                     assert re.search(r"installed \d+ compiled-artifact files", log), b.log_tail()
                     assert "compiled artifacts hit" in log, b.log_tail()
+                    _graphs_from_the_index(b, indexed)
                     assert b.result["tokens"] == a.result["tokens"]
             other = tmp_path / "elsewhere" / "llama"
             shutil.copytree(ckpt, other)
@@ -101,8 +109,21 @@ def test_a_pulled_gpu_engine_loads_its_compiled_graph_from_the_pulled_cache(logs
                 c.wait_for_log(r"compiled artifacts (hit|miss)", 60)
                 summary["C-other-path-artifacts"] = c.figures()
                 assert "compiled artifacts hit" in c.log_text(), c.log_tail()
+                _graphs_from_the_index(c, indexed)
                 assert c.result["tokens"] == a.result["tokens"]
     finally:
         server.stop()
         (logs / "summary-artifacts.json").write_text(json.dumps(summary, indent=1, default=str))
         print(json.dumps(summary, default=str))
+
+
+def _graphs_from_the_index(engine: LlmEngine, indexed: bool) -> None:
+    """With a compiled-graph index at the source, the engine installed it and vLLM
+    loaded every graph from it (its own log lines), compiling none again."""
+    log = engine.log_text()
+    if not indexed:
+        assert "installed vLLM's compiled-graph index" not in log, engine.log_tail()
+        return
+    assert "installed vLLM's compiled-graph index" in log, engine.log_tail()
+    assert "Directly load the compiled graph(s)" in log, engine.log_tail()
+    assert "Compiling a graph for compile range" not in log, engine.log_tail()
