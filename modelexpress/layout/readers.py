@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -57,8 +58,10 @@ class ReadStats:
         descriptors: runs posted (NIXL) or copies made (local).
         transport: ``local``, or what UCX reported for the READ.
         detail: one line on how.
-        connect_seconds: opening the source (mapping, or the connect READ).
-        close_seconds: closing it again (unmapping its memory).
+        connect_seconds: opening the source (mapping, or the connect READ), as far as
+            this read waited for it (a source opened ahead: 0).
+        close_seconds: closing it again (unmapping its memory), as far as this read
+            waited for it (a close handed to ``close_later``: 0).
         checked: the checks (of those passed in) whose block was hashed as its bytes
             landed and matched its digest.
         failed: those hashed as they landed that did not match. A check in neither
@@ -99,6 +102,20 @@ class LayoutReader(Protocol):
                 layout names, or holds it with another shape or dtype.
             TransferError subclasses: the read failed.
         """
+        ...
+
+
+class OpensAhead(Protocol):
+    """A reader whose source can be opened before its copies run (on another thread,
+    while an earlier source's copies run) and closed after them off the caller's
+    path: :class:`LocalLayoutReader` (mapping and unmapping a source's memory)."""
+
+    def open(self) -> None:
+        """Open the source now; :meth:`read_copies` then uses it. Idempotent."""
+        ...
+
+    def close(self) -> None:
+        """Close the source (no copy of it may be pending). Idempotent."""
         ...
 
 
@@ -235,19 +252,40 @@ class LocalLayoutReader:
         self.timeout_s = timeout_s
         self.covering_below = covering_below
         self.copied = 0
+        self._session: Any = None
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        """Connect and map the source's memory now (see :class:`OpensAhead`)."""
+        from modelexpress.local.client import LocalSession
+
+        with self._lock:
+            if self._session is None:
+                self._session = LocalSession(self.endpoint, self.device,
+                                             timeout_s=self.timeout_s, files=False)
+
+    def close(self) -> None:
+        """Unmap the source's memory and say bye (see :class:`OpensAhead`)."""
+        with self._lock:
+            session, self._session = self._session, None
+        if session is not None:
+            session.close()
 
     def read_copies(self, copies: Sequence[Copy], buffers: Mapping[str, "torch.Tensor"], *,
                     progress: Callable[[int], None], stop: Callable[[], bool],
                     deadline_s: float, checks: Sequence[Check] = (),
-                    algorithm: str = "") -> ReadStats:
+                    algorithm: str = "",
+                    close_later: Callable[[Callable[[], None]], Any] | None = None
+                    ) -> ReadStats:
+        """As :meth:`LayoutReader.read_copies`; ``close_later(fn)``: run the close
+        ``fn`` off this path (every copy is done when it is handed over), else the
+        source is closed here."""
         import torch
-
-        from modelexpress.local.client import LocalSession
 
         end = time.monotonic() + deadline_s
         t0 = time.perf_counter()
-        session = LocalSession(self.endpoint, self.device, timeout_s=self.timeout_s,
-                               files=False)
+        self.open()
+        session = self._session
         connect_s = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
@@ -269,7 +307,10 @@ class LocalLayoutReader:
             raise PeerError(f"{self.endpoint.source_id}: {exc}") from exc
         finally:
             t_close = time.perf_counter()
-            session.close()
+            if close_later is not None:
+                close_later(self.close)
+            else:
+                self.close()
             close_s = time.perf_counter() - t_close
         moved = runs.moved
         self.copied = moved

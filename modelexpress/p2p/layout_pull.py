@@ -262,21 +262,30 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                      identity.model, target.rank, target.tp_size, attempt, plan.read_bytes,
                      len(plan.copies), len(plan.sources), plan.needed_bytes)
             checks = _Checks(plan, buffers, pool)
-            t_data = time.perf_counter()
-            results = _read(plan, by_id, buffers, factory, tracker, progress, stopped, end,
-                            opts.timeout_s, skipped, checks)
-            data_s = time.perf_counter() - t_data
-            if results is None:  # a source failed: the plan is made again without it
-                checks.abandon()
-                dropped |= {s.source_id for s in skipped}
-                continue
-            bad, verify_s = checks.finish()
+            sources = _Sources(factory, by_id)
+            try:
+                t_data = time.perf_counter()
+                results = _read(plan, sources, buffers, tracker, progress, stopped, end,
+                                opts.timeout_s, skipped, checks)
+                data_s = time.perf_counter() - t_data
+                if results is None:  # a source failed: the plan is made again without it
+                    checks.abandon()
+                    dropped |= {s.source_id for s in skipped}
+                    continue
+                # what the pull waits for: the checks not yet run (those of the last
+                # source's blocks); the others ran beside the reads, in the data plane
+                t_verify = time.perf_counter()
+                bad, _hashing_s = checks.finish()
+                verify_s = time.perf_counter() - t_verify
+            finally:
+                # the last source's close ran beside the checks above: what is left of it
+                close_wait_s = sources.finish()
             if bad:
                 dropped |= _blame(bad, by_id, skipped)
                 continue
             finish(plan, buffers)
             result = _result(plan, results, by_id, skipped, record.id, data_s, verify_s,
-                             control_s, plan_s, t_start, PullResult)
+                             close_wait_s, control_s, plan_s, t_start, PullResult)
             tracker.report(result.bytes, result.bytes, force=True, rate_bps=result.gbps * 1e9)
             tracker.finish("SUCCEEDED", done=result.bytes, outcome=outcome_of(result))
             log.info("pulled %s rank %d/%d across layouts: %d bytes from %s in %.3f s "
@@ -357,20 +366,90 @@ class _Checks:
         concurrent.futures.wait(self.futures)  # nothing may read the buffers after this
 
 
-def _read(plan: Any, by_id: Mapping[str, LayoutSource], buffers: Mapping[str, "torch.Tensor"],
-          factory: LayoutReaderFactory, tracker: TransferTracker,
-          progress: Callable[[int, int], None] | None, stopped: Callable[[], bool],
-          end: float, timeout_s: float, skipped: list,
+class _Sources:
+    """The readers of one plan's sources: each source is opened ahead, on a thread of its
+    own, while the previous one's copies run, and closed off the pull's path once its
+    copies are done (:class:`~modelexpress.layout.readers.OpensAhead`: mapping and
+    unmapping a same-host source's memory; a NIXL reader is made ahead and connects
+    as its READ begins). :meth:`finish` waits for all of it (bounded by the reader's
+    own connect timeout) and says how long the pull waited."""
+
+    def __init__(self, factory: LayoutReaderFactory, by_id: Mapping[str, LayoutSource]) -> None:
+        self._factory, self.by_id = factory, by_id
+        self._opener = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="mx-layout-open")
+        self._closer = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="mx-layout-close")
+        self._ahead: dict[str, concurrent.futures.Future] = {}
+        self._closes: list[concurrent.futures.Future] = []
+
+    def _open(self, key: str) -> Any:
+        reader = self._factory(self.by_id[key])
+        if callable(getattr(reader, "open", None)):
+            reader.open()
+        return reader
+
+    def ahead(self, key: str) -> None:
+        """Start opening ``key``'s source now."""
+        if key not in self._ahead:
+            self._ahead[key] = self._opener.submit(self._open, key)
+
+    def get(self, key: str) -> tuple[Any, float]:
+        """``key``'s reader, open, and the seconds this call waited for it."""
+        self.ahead(key)
+        t0 = time.perf_counter()
+        reader = self._ahead.pop(key).result()
+        return reader, time.perf_counter() - t0
+
+    def read_args(self, reader: Any) -> dict[str, Any]:
+        """``read_copies``'s extra arguments for ``reader``: its close off the path."""
+        return {"close_later": self.close_later} if callable(getattr(reader, "close", None)) \
+            else {}
+
+    def close_later(self, close: Callable[[], None]) -> None:
+        self._closes.append(self._closer.submit(close))
+
+    def finish(self) -> float:
+        """Close every source (those opened ahead and never read too); the seconds it
+        waited. Never raises: a close that failed is logged."""
+        t0 = time.perf_counter()
+        for future in self._ahead.values():
+            try:
+                reader = future.result()
+            except BaseException:  # noqa: BLE001 - it was never read: nothing to report
+                continue
+            if callable(getattr(reader, "close", None)):
+                self.close_later(reader.close)
+        self._ahead.clear()
+        for future in self._closes:
+            try:
+                future.result()
+            except Exception as exc:  # noqa: BLE001 - the bytes are in; say it, go on
+                log.warning("closing a source after a cross-layout pull failed: %s: %s",
+                            type(exc).__name__, exc)
+        self._opener.shutdown(wait=True)
+        self._closer.shutdown(wait=True)
+        return time.perf_counter() - t0
+
+
+def _read(plan: Any, sources: _Sources, buffers: Mapping[str, "torch.Tensor"],
+          tracker: TransferTracker, progress: Callable[[int, int], None] | None,
+          stopped: Callable[[], bool], end: float, timeout_s: float, skipped: list,
           checks: _Checks) -> dict[str, Any] | None:
     """Each source's copies of ``plan``, in order, its reader offered the checks of the
-    blocks it alone supplies (``checks.source_done(key)`` after each); the ReadStats by
-    source, or None when one failed (it is in ``skipped``)."""
+    blocks it alone supplies (``checks.source_done(key)`` after each), the next source
+    opened while they run; the ReadStats by source (``connect_seconds``: what the pull
+    waited for the opening), or None when one failed (it is in ``skipped``)."""
     total = plan.read_bytes
     tracker.report(0, total, force=True)
     tracker.begin()
     done_before = 0
     results: dict[str, Any] = {}
-    for key, copies in plan.by_source().items():
+    by_source = plan.by_source()
+    order = list(by_source)
+    if order:
+        sources.ahead(order[0])
+    for i, (key, copies) in enumerate(by_source.items()):
         tracker.reading = key
         share = sum(c.nbytes for c in copies)
 
@@ -387,13 +466,18 @@ def _read(plan: Any, by_id: Mapping[str, LayoutSource], buffers: Mapping[str, "t
         if left <= 0:
             raise TransferTimeoutError(f"cross-layout pull deadline of {timeout_s:.0f} s ran out")
         try:
-            results[key] = factory(by_id[key]).read_copies(
+            reader, waited = sources.get(key)
+            if i + 1 < len(order):
+                sources.ahead(order[i + 1])
+            stats = reader.read_copies(
                 copies, buffers, progress=report, stop=stopped, deadline_s=left,
-                checks=checks.of(key), algorithm=plan.algorithm)
+                checks=checks.of(key), algorithm=plan.algorithm, **sources.read_args(reader))
+            results[key] = dataclasses.replace(
+                stats, connect_seconds=stats.connect_seconds + waited)
         except (TransferCancelledError, NoSourceError):
             raise
         except MxError as exc:
-            skipped.append(_skip(by_id[key].info, f"{type(exc).__name__}: {exc}"))
+            skipped.append(_skip(sources.by_id[key].info, f"{type(exc).__name__}: {exc}"))
             return None
         done_before += sum(c.nbytes for c in copies)
         checks.read_checked(results[key].checked, results[key].failed)
@@ -463,15 +547,19 @@ def _message(identity: "ModelIdentity", why: str, skipped: Sequence[Any]) -> str
             f"{identity.tp_size}: {why}" + (f"; dropped: {tried}" if tried else ""))
 
 
-def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s, control_s,  # noqa: ANN001, ANN202
-            plan_s, t_start, PullResult):  # noqa: N803
+def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s,  # noqa: ANN001, ANN202
+            close_wait_s, control_s, plan_s, t_start, PullResult):  # noqa: N803
     nbytes = sum(r.bytes for r in results.values())
-    # Each source is opened (mapped, or its connect READ made) as its reads begin and
-    # closed (unmapped) after them, one after the other: on the critical path, but not
-    # the data plane, as in a same-layout pull (PullResult.connect_seconds, "close")
+    # Opening a source (mapping it, or a NIXL reader's connect READ) and closing it
+    # (unmapping) are not the data plane, as in a same-layout pull
+    # (PullResult.connect_seconds, "close"). Counted is what the pull waited for: a
+    # source opened ahead while the previous one's copies ran, and a close run beside
+    # the next source's copies and the checks (close_wait_s: what was left of them
+    # after the checks), cost only their wait.
     connect_s = min(sum(r.connect_seconds for r in results.values()), data_s)
-    close_s = min(sum(r.close_seconds for r in results.values()), data_s - connect_s)
-    seconds = max(data_s - connect_s - close_s, 1e-9)
+    close_in = min(sum(r.close_seconds for r in results.values()), data_s - connect_s)
+    close_s = close_in + close_wait_s
+    seconds = max(data_s - connect_s - close_in, 1e-9)
     transports = sorted({r.transport for r in results.values()})
     total_s = time.perf_counter() - t_start
     return PullResult(
@@ -487,6 +575,8 @@ def _result(plan, results, by_id, skipped, transfer_id, data_s, verify_s, contro
             r.detail for r in results.values() if r.detail),
         phases={"control_plane": round(control_s, 6), "plan": round(plan_s, 6),
                 "connect": round(connect_s, 6), "close": round(close_s, 6),
-                "data_plane": round(data_s - connect_s - close_s, 6), "verify": round(verify_s, 6),
-                "other": round(max(total_s - control_s - plan_s - data_s - verify_s, 0.0), 6)},
+                "data_plane": round(data_s - connect_s - close_in, 6),
+                "verify": round(verify_s, 6),
+                "other": round(max(total_s - control_s - plan_s - data_s - verify_s
+                                   - close_wait_s, 0.0), 6)},
         verdict="ok" if transports == ["local"] else "unknown")

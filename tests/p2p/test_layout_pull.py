@@ -63,7 +63,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         yield World(ckpt, server, ipc, ids)
 
 
-def _pull(world: World, tp: int, rank: int, *, local: bool, covering_below=None):  # noqa: ANN001, ANN202
+def _pull(world: World, tp: int, rank: int, *, local: bool, covering_below=None,  # noqa: ANN001, ANN202
+          readers=None):  # noqa: ANN001
     from vllm_layouts import load_rank
 
     from modelexpress.local import LocalOptions
@@ -77,9 +78,12 @@ def _pull(world: World, tp: int, rank: int, *, local: bool, covering_below=None)
             t.fill_(float("nan"))
     options = PullOptions(local=LocalOptions(ipc_dir=world.ipc if local else "off"),
                           worker_id=f"target-{tp}-{rank}-{local}", stall_s=60.0)
+    if callable(readers):
+        readers = readers(options)
     with world.client() as client:
         out = pull_across_layouts(identity(tp, rank, FAMILY), target, dest, client=client,
-                                  options=options, covering_below=covering_below)
+                                  options=options, covering_below=covering_below,
+                                  readers=readers)
         record = client.get_transfer(out.result.transfer_id)
     for name in target.tensors:
         assert torch.equal(dest[name], reference[name]), name
@@ -107,6 +111,70 @@ def test_a_tp4_rank_drops_the_source_whose_layout_lies_and_reads_the_tp2_ranks(w
     phases = out.result.phases
     assert 0 < phases["connect"] == pytest.approx(out.result.connect_seconds, abs=1e-6)
     assert phases["close"] > 0
+    assert phases["data_plane"] == pytest.approx(out.result.seconds, abs=1e-6)
+    assert sum(phases.values()) == pytest.approx(out.result.total_seconds, abs=1e-4)
+
+
+class _Recorded:
+    """A real reader whose opening, reading and closing are recorded (event, source,
+    thread) in the order they happened."""
+
+    def __init__(self, reader, key: str, events: list) -> None:  # noqa: ANN001
+        self._reader, self._key, self._events = reader, key, events
+
+    def _say(self, what: str) -> None:
+        import threading
+
+        self._events.append((what, self._key, threading.get_ident()))
+
+    def open(self) -> None:
+        self._say("open")
+        self._reader.open()
+        self._say("opened")
+
+    def close(self) -> None:
+        self._say("close")
+        self._reader.close()
+
+    def read_copies(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        later = kwargs.get("close_later")
+        if later is not None:  # the real reader hands over its close: record ours
+            kwargs["close_later"] = lambda _close: later(self.close)
+        self._say("read")
+        try:
+            return self._reader.read_copies(*args, **kwargs)
+        finally:
+            self._say("read done")
+
+
+def test_the_next_source_is_opened_while_one_is_read_and_closed_off_the_path(world) -> None:
+    """A TP=1 rank from both TP=2 ranks over the local transport (after the lying
+    whole-model source is dropped): the second rank's memory is mapped while the
+    first rank's copies run, and every source is unmapped on another thread than the
+    pull's, each once, the lying one included."""
+    import threading
+
+    import torch as _torch
+
+    from modelexpress.p2p.layout_pull import layout_readers
+
+    events: list = []
+
+    def readers(options):  # noqa: ANN001, ANN202
+        real = layout_readers(options, lambda: None, _torch.device("cpu"))
+        return lambda source: _Recorded(real(source), source.info.id, events)
+
+    out, _record = _pull(world, 1, 0, local=True, readers=readers)
+    ids = world.sources
+    assert set(out.result.source_ids) == {ids["r0"], ids["r1"]}
+    first, second = out.result.source_ids
+    order = [(what, key) for what, key, _ in events]
+    assert order.index(("open", second)) < order.index(("read done", first))
+    me = threading.get_ident()
+    closes = [(key, thread) for what, key, thread in events if what == "close"]
+    assert sorted(k for k, _ in closes) == sorted({k for w, k, _ in events if w == "opened"})
+    assert all(thread != me for _, thread in closes)
+    phases = out.result.phases
     assert phases["data_plane"] == pytest.approx(out.result.seconds, abs=1e-6)
     assert sum(phases.values()) == pytest.approx(out.result.total_seconds, abs=1e-4)
 
