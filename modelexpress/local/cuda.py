@@ -67,8 +67,36 @@ def on_device(device: int) -> Iterator[None]:
     stream passed to cuMemcpyAsync must belong to it."""
     import torch
     with torch.cuda.device(device):
-        torch.cuda.current_stream(device)  # initialises the context if this thread has none
+        torch.cuda.current_stream(device)
+        _bind_primary_context(device)
         yield
+
+
+_primary: dict[int, Any] = {}
+
+
+def _bind_primary_context(device: int) -> None:
+    """Make ``device``'s primary context current on this thread for the driver API.
+
+    PyTorch's runtime binds it lazily, at a thread's first runtime call that needs a
+    context: on a thread that made none (a pool thread that maps a source ahead of its
+    copies) a driver call fails with CUDA_ERROR_INVALID_CONTEXT (measured: H100, CUDA
+    13.0, cuIpcOpenMemHandle). The context is retained once per device and kept, as the
+    runtime keeps it.
+    """
+    drv = _drv()
+    err, ctx = drv.cuCtxGetCurrent()
+    if err == drv.CUresult.CUDA_SUCCESS and ctx is not None and int(ctx) != 0:
+        err, dev = drv.cuCtxGetDevice()
+        if err == drv.CUresult.CUDA_SUCCESS and int(dev) == device:
+            return
+    ctx = _primary.get(device)
+    if ctx is None:
+        handle = _check(drv, drv.cuDeviceGet(device), "cuDeviceGet", f"cuda:{device}")
+        ctx = _check(drv, drv.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain",
+                     f"cuda:{device}")
+        _primary[device] = ctx
+    _check(drv, drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", f"cuda:{device}")
 
 
 class CudaExport:
