@@ -307,7 +307,8 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                     raise AssertionError("the same-layout pull checked no digests")
                 return {"total_s": total, "data_s": result.seconds, "bytes": result.bytes,
                         "descriptors": result.descriptors, "verify_s": result.verify_seconds,
-                        "connect_s": result.connect_seconds}
+                        "connect_s": result.connect_seconds,
+                        **{f"phase_{k}_s": v for k, v in result.phases.items() if v}}
 
             def across(local: bool, tp: int, rank: int) -> dict[str, float]:
                 target, dest = fresh(tp, rank)
@@ -325,7 +326,8 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                         "verify_s": out.result.verify_seconds,
                         "connect_s": out.result.connect_seconds,
                         "close_s": out.result.phases.get("close", 0.0),
-                        "blocks_checked_as_landed": out.checked_as_landed}
+                        "blocks_checked_as_landed": out.checked_as_landed,
+                        **{f"phase_{k}_s": v for k, v in out.result.phases.items() if v}}
 
             cases = {"local_same": lambda: same(True),
                      "local_across": lambda: across(True, 1, 0),

@@ -263,6 +263,10 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                      len(plan.copies), len(plan.sources), plan.needed_bytes)
             checks = _Checks(plan, buffers, pool)
             sources = _Sources(factory, by_id)
+            t_report = time.perf_counter()
+            tracker.report(0, plan.read_bytes, force=True)  # RUNNING, with the total
+            control_s += time.perf_counter() - t_report
+            tracker.begin()
             try:
                 t_data = time.perf_counter()
                 results = _read(plan, sources, buffers, tracker, progress, stopped, end,
@@ -441,8 +445,6 @@ def _read(plan: Any, sources: _Sources, buffers: Mapping[str, "torch.Tensor"],
     opened while they run; the ReadStats by source (``connect_seconds``: what the pull
     waited for the opening), or None when one failed (it is in ``skipped``)."""
     total = plan.read_bytes
-    tracker.report(0, total, force=True)
-    tracker.begin()
     done_before = 0
     results: dict[str, Any] = {}
     by_source = plan.by_source()
