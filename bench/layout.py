@@ -35,7 +35,11 @@ allocation on DEVICE, block digests hashed there) and this process as the target
 its destination on DEVICE. Cases ``{local,nixl}_same``, ``{local,nixl}_across``
 (TP=2 -> TP=1) and ``{local,nixl}_tp2`` (TP=1 -> a TP=2 rank); on a GPU also
 ``row_copies``: the row-parallel weights' column halves copied on their own by
-``cuMemcpy2DAsync``, against one contiguous copy of the same bytes. This is the GPU machine's
+``cuMemcpy2DAsync``, against one contiguous copy of the same bytes. A pull across layouts
+also reports ``hashing_s`` (its block checks' hashing, beside later reads and after the
+last), and ``readers_last_round`` each case's reader lines of the last round (per
+source: runs planned, copies issued, and, into a GPU, how long after issuing they were
+done). This is the GPU machine's
 run (one GPU: the sources are processes, not TP=2 engines); every case's first, untimed
 pull is compared byte for byte with the checkpoint's slices.
 
@@ -292,6 +296,8 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                     raise AssertionError(f"tp={tp} rank={rank}: pulled tensors differ: {bad}")
                 checked.add((tp, rank))
 
+            details: dict[str, str] = {}  # each pull across layouts' readers, last round
+
             def options(local: bool) -> PullOptions:
                 return PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
                                    worker_id="bench-target", stall_s=120.0)
@@ -321,9 +327,11 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                 want = {ids["whole"]} if tp == 2 else {ids["r0"], ids["r1"]}
                 if set(out.result.source_ids) != want:
                     raise AssertionError(f"read {out.result.source_ids}, not {want}")
+                details[f"{'local' if local else 'nixl'}_tp{tp}"] = out.result.transport_detail
                 return {"total_s": total, "data_s": out.result.seconds,
                         "bytes": out.result.bytes, "descriptors": out.result.descriptors,
                         "verify_s": out.result.verify_seconds,
+                        "hashing_s": out.hashing_seconds,
                         "connect_s": out.result.connect_seconds,
                         "close_s": out.result.phases.get("close", 0.0),
                         "blocks_checked_as_landed": out.checked_as_landed,
@@ -342,7 +350,7 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     out = {"bench": "layout-synthetic", "device": str(device), "gpu": gpu,
            "dims": args.dims, "checkpoint_bytes": nbytes, "rounds": args.rounds,
-           **_summary(rows)}
+           **_summary(rows), "readers_last_round": details}
     if device.type == "cuda":
         out["row_copies"] = row_copies(device, syn.SHAPES, args.rounds)
     return out

@@ -254,6 +254,8 @@ class LocalLayoutReader:
         self.copied = 0
         self._session: Any = None
         self._lock = threading.Lock()
+        self._issued_s: float | None = None  # the last device read's split, for its detail
+        self._synced_s = 0.0
 
     def open(self) -> None:
         """Connect and map the source's memory now (see :class:`OpensAhead`)."""
@@ -291,6 +293,8 @@ class LocalLayoutReader:
             t1 = time.perf_counter()
             runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below,
                             pitched=self.device is not None)
+            planned_s = time.perf_counter() - t1
+            self._issued_s = None
             scratch = (torch.empty(runs.scratch_bytes, dtype=torch.uint8, device=runs.device)
                        if runs.covering else None)
             in_pass = None
@@ -322,7 +326,11 @@ class LocalLayoutReader:
                                  f"{len(runs.pitched)} pitched (2D), "
                                  f"{len(runs.covering)} covering span(s) gathered here, "
                                  f"{len(checked) + len(failed)} block(s) hashed as they "
-                                 "landed"),
+                                 f"landed; runs planned in {planned_s * 1e3:.2f} ms"
+                                 + ("" if self._issued_s is None else
+                                    f", copies issued in {self._issued_s * 1e3:.2f} ms and "
+                                    f"done {self._synced_s * 1e3:.2f} ms later")
+                                 + f", {seconds * 1e3:.2f} ms in all"),
                          checked=checked, failed=failed)
 
     def _host(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None",
@@ -368,6 +376,7 @@ class LocalLayoutReader:
 
         from modelexpress.local.cuda import memcpy2d_async, memcpy_async
 
+        t0 = time.perf_counter()
         stream = torch.cuda.Stream(device=runs.device)
         count = 0
         for _c, entry, s0, d0, s_pitch, d_pitch, run, rows in runs.pitched:
@@ -383,7 +392,9 @@ class LocalLayoutReader:
             src = session.local_addr(entry.addr, entry.nbytes, entry.device == "cpu")
             memcpy_async(scratch.data_ptr() + at, src + off, n, stream.cuda_stream)  # type: ignore[union-attr]
             count += 1
+        t1 = time.perf_counter()
         stream.synchronize()
+        self._issued_s, self._synced_s = t1 - t0, time.perf_counter() - t1
         return count
 
 

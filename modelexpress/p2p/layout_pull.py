@@ -81,12 +81,16 @@ class AcrossLayouts:
         layout: the target's layout the pull filled.
         checked_as_landed: how many of its block checks hashed the block as its
             bytes landed (the local transport's copy loop); the others were hashed after.
+        hashing_seconds: the seconds spent hashing those others, beside the reads of
+            later sources and after the last (``verify`` in the phases is only the
+            latter's wait).
     """
 
     result: Any
     blocks: BlockTable
     layout: Layout
     checked_as_landed: int = 0
+    hashing_seconds: float = 0.0
 
 
 def device_refusal(device: "torch.device | str") -> str | None:
@@ -279,7 +283,7 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                 # what the pull waits for: the checks not yet run (those of the last
                 # source's blocks); the others ran beside the reads, in the data plane
                 t_verify = time.perf_counter()
-                bad, _hashing_s = checks.finish()
+                bad, hashing_s = checks.finish()
                 verify_s = time.perf_counter() - t_verify
             finally:
                 # the last source's close ran beside the checks above: what is left of it
@@ -299,7 +303,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                      ",".join(result.source_ids), result.seconds, result.gbps,
                      result.transport, len(plan.checks), checks.in_pass, verify_s,
                      result.total_seconds)
-            return AcrossLayouts(result, plan.verified_blocks(), target, checks.in_pass)
+            return AcrossLayouts(result, plan.verified_blocks(), target, checks.in_pass,
+                                 hashing_s)
         raise NoSourceError(_message(identity, f"{opts.max_attempts} plan(s) failed", skipped))
     except TransferCancelledError:
         tracker.finish("STOPPED", done=tracker.done)
