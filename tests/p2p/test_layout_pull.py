@@ -179,6 +179,54 @@ def test_the_next_source_is_opened_while_one_is_read_and_closed_off_the_path(wor
     assert sum(phases.values()) == pytest.approx(out.result.total_seconds, abs=1e-4)
 
 
+class _FailsToOpen(_Recorded):
+    """A real reader whose source cannot be opened (as a source gone away)."""
+
+    def open(self) -> None:
+        from modelexpress.errors import PeerError
+
+        self._say("open")
+        raise PeerError(f"{self._key}: refused the connection (test)")
+
+
+def test_a_source_that_cannot_be_opened_ahead_is_dropped_and_every_opened_one_closed(
+        world) -> None:
+    """The second TP=2 rank fails as it is opened ahead, while the first one's copies
+    run: the pull drops it with its reason, no plan covers the rank without it, the
+    call ends with NoSourceError naming it, and every source that was opened was closed
+    (off the pull's thread)."""
+    import threading
+
+    import torch as _torch
+
+    from vllm_layouts import load_rank
+
+    from modelexpress.errors import NoSourceError
+    from modelexpress.local import LocalOptions
+    from modelexpress.p2p import PullOptions
+    from modelexpress.p2p.layout_pull import layout_readers, pull_across_layouts
+
+    events: list = []
+    options = PullOptions(local=LocalOptions(ipc_dir=world.ipc), worker_id="target-open-fails",
+                          stall_s=60.0)
+    real = layout_readers(options, lambda: None, _torch.device("cpu"))
+
+    def readers(source):  # noqa: ANN001, ANN202
+        kind = _FailsToOpen if source.info.id == world.sources["r1"] else _Recorded
+        return kind(real(source), source.info.id, events)
+
+    dest, target = load_rank(world.ckpt, 1, 0, fill=False)
+    with world.client() as client, pytest.raises(NoSourceError) as caught:
+        pull_across_layouts(identity(1, 0, FAMILY), target, dest, client=client,
+                            options=options, readers=readers)
+    assert "refused the connection (test)" in str(caught.value)
+    assert world.sources["r1"] in str(caught.value)
+    opened = {key for what, key, _ in events if what == "opened"}
+    closes = [(key, thread) for what, key, thread in events if what == "close"]
+    assert opened and sorted(k for k, _ in closes) == sorted(opened)
+    assert all(thread != threading.get_ident() for _, thread in closes)
+
+
 @pytest.mark.parametrize("covering", ["covering-spans", "runs"])
 def test_the_tp1_rank_over_nixl_with_short_runs_read_covering_or_one_by_one(world,
                                                                             covering) -> None:
