@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from modelexpress.artifacts import (
     ArtifactKey,
     PulledSet,
+    blob_bytes,
     buffer_from,
     fetch_artifacts,
     pack_files,
@@ -316,11 +317,8 @@ class ArtifactStep:
         if installed is None or not self.layout.aot:
             return  # without AOT the index is inside the rank directory installed whole
         aset, blob = installed
-        import numpy as np
-
-        raw = memoryview(np.ascontiguousarray(blob.cpu().numpy())).cast("B")
-        got = cc.install_graph_index(aset, raw, self.layout.cache_root, local_cache_dir,
-                                     self.layout.rank_dir)
+        got = cc.install_graph_index(aset, blob_bytes(blob), self.layout.cache_root,
+                                     local_cache_dir, self.layout.rank_dir)
         if got is None:
             return
         if isinstance(got, str):
@@ -415,9 +413,7 @@ class ArtifactStep:
             # came, so that its replicas all serve one content (a repack would differ by
             # the index entries vLLM wrote while loading it).
             aset, blob = self._installed
-            import numpy as np
-
-            raw = memoryview(np.ascontiguousarray(blob.cpu().numpy())).cast("B")
+            raw = blob_bytes(blob)
             self._serve_set(aset, buffer_from(raw[:aset.total_bytes], name="mx-vllm-artifacts"),
                             "installed")
             return

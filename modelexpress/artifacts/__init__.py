@@ -20,7 +20,8 @@ torch nor NIXL.
 """
 
 from modelexpress.artifacts.exchange import (ATTR_SET, ATTR_SIGNATURE, ATTR_VARIANTS, BLOB,
-                                             OUTCOMES, ArtifactPull, PulledSet, buffer_from,
+                                             OUTCOMES, ArtifactPull, PulledSet, blob_bytes,
+                                             buffer_from,
                                              fetch_artifacts, pack_files, pull_artifacts,
                                              serve_packed, signed_payload)
 from modelexpress.artifacts.install import InstallResult, install_set, verify_blob
@@ -37,6 +38,7 @@ __all__ = [
     "ArtifactPull",
     "ArtifactSet",
     "BLOB",
+    "blob_bytes",
     "buffer_from",
     "InstallResult",
     "InstallUnit",

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from modelexpress.p2p import PullOptions, SourceHandle
 
 __all__ = ["ATTR_SET", "ATTR_SIGNATURE", "ATTR_VARIANTS", "BLOB", "OUTCOMES", "ArtifactPull",
-           "PulledSet", "buffer_from", "fetch_artifacts", "pack_files", "pull_artifacts",
+           "PulledSet", "blob_bytes", "buffer_from", "fetch_artifacts", "pack_files",
+           "pull_artifacts",
            "serve_packed", "signed_payload"]
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,14 @@ def pack_files(roots: Mapping[str, pathlib.Path], dirs: Sequence[tuple[str, str]
     view.release()
     aset = ArtifactSet(tuple(files), tuple(units), dict(prefixes or {}), dict(facts or {}))
     return aset, buf
+
+
+def blob_bytes(blob: Any) -> memoryview:
+    """The bytes of a pulled set's blob (its ``uint8`` tensor), without a copy when it
+    is in host memory."""
+    import numpy as np
+
+    return memoryview(np.ascontiguousarray(blob.cpu().numpy())).cast("B")
 
 
 def buffer_from(raw: bytes | memoryview, *, name: str = "mx-artifacts") -> "HostBuffer":
@@ -254,9 +263,7 @@ class PulledSet:
         try:
             if blob is None:
                 raise ArtifactRefusedError(f"the source's manifest has no {BLOB!r} tensor")
-            import numpy as np
-
-            raw = memoryview(np.ascontiguousarray(blob.cpu().numpy())).cast("B")
+            raw = blob_bytes(blob)
             mine = mapping(aset) if callable(mapping) else mapping
             installed = install_set(aset, raw, roots, mine)
         except ArtifactRefusedError as exc:

@@ -254,8 +254,6 @@ class LocalLayoutReader:
         self.copied = 0
         self._session: Any = None
         self._lock = threading.Lock()
-        self._issued_s: float | None = None  # the last device read's split, for its detail
-        self._synced_s = 0.0
 
     def open(self) -> None:
         """Connect and map the source's memory now (see :class:`OpensAhead`)."""
@@ -294,7 +292,7 @@ class LocalLayoutReader:
             runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below,
                             pitched=self.device is not None)
             planned_s = time.perf_counter() - t1
-            self._issued_s = None
+            timed = ""
             scratch = (torch.empty(runs.scratch_bytes, dtype=torch.uint8, device=runs.device)
                        if runs.covering else None)
             in_pass = None
@@ -303,7 +301,9 @@ class LocalLayoutReader:
                 count = self._host(session, runs, scratch, progress, stop, end, deadline_s,
                                    in_pass)
             else:
-                count = self._device(session, runs, scratch)
+                count, issued_s, done_s = self._device(session, runs, scratch)
+                timed = (f", copies issued in {issued_s * 1e3:.2f} ms and done "
+                         f"{done_s * 1e3:.2f} ms later")
             _gather_all(runs, scratch, buffers)
             checked, failed = _outcomes(in_pass)
             seconds = time.perf_counter() - t1
@@ -326,11 +326,8 @@ class LocalLayoutReader:
                                  f"{len(runs.pitched)} pitched (2D), "
                                  f"{len(runs.covering)} covering span(s) gathered here, "
                                  f"{len(checked) + len(failed)} block(s) hashed as they "
-                                 f"landed; runs planned in {planned_s * 1e3:.2f} ms"
-                                 + ("" if self._issued_s is None else
-                                    f", copies issued in {self._issued_s * 1e3:.2f} ms and "
-                                    f"done {self._synced_s * 1e3:.2f} ms later")
-                                 + f", {seconds * 1e3:.2f} ms in all"),
+                                 f"landed; runs planned in {planned_s * 1e3:.2f} ms{timed}, "
+                                 f"{seconds * 1e3:.2f} ms in all"),
                          checked=checked, failed=failed)
 
     def _host(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None",
@@ -371,7 +368,10 @@ class LocalLayoutReader:
             copier.close()
         return len(jobs)
 
-    def _device(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None") -> int:
+    def _device(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None"
+                ) -> tuple[int, float, float]:
+        """The copies into a GPU on a stream of their own: ``(copies, seconds to issue
+        them, seconds from then until they were done)``."""
         import torch
 
         from modelexpress.local.cuda import memcpy2d_async, memcpy_async
@@ -394,8 +394,7 @@ class LocalLayoutReader:
             count += 1
         t1 = time.perf_counter()
         stream.synchronize()
-        self._issued_s, self._synced_s = t1 - t0, time.perf_counter() - t1
-        return count
+        return count, t1 - t0, time.perf_counter() - t1
 
 
 def _blocks_in_pass(checks: Sequence[Check], buffers: Mapping[str, "torch.Tensor"],
