@@ -195,29 +195,89 @@ def _xxh3(tensor: torch.Tensor) -> str:
 def _xxh3_blocks_many(tensors: Sequence[torch.Tensor], block: int) -> list[str]:
     """The block-wise xxh3 digest (blocks of ``block`` bytes) of each tensor; a batch of
     :data:`_PARALLEL_BYTES` or more is hashed block by block on several threads
-    (``xxhash`` releases the GIL)."""
+    (``xxhash`` releases the GIL).
+
+    A contiguous tensor's blocks are hashed where they lie. A strided one whose rows are
+    contiguous (a column slice of a matrix: a block of a row-parallel weight) is not
+    copied out whole: each block's rows are copied into a buffer of one block that the
+    hashing thread reuses, then hashed (the same bytes in the same order, so the same
+    digest, without a new allocation the size of the tensor and its page faults)."""
     import xxhash
 
     from modelexpress import _threads
 
-    views = []
+    sources: list[memoryview | _Rows] = []
     for t in tensors:
+        rows = _Rows.of(t)
+        if rows is not None:
+            sources.append(rows)
+            continue
         raw = _flat_bytes(t)
-        views.append(memoryview(raw.numpy()) if raw.numel() else memoryview(b""))
-    blocks = [v[a:a + block] for v in views for a in range(0, len(v) or 1, block)]
-    total = sum(len(v) for v in views)
+        sources.append(memoryview(raw.numpy()) if raw.numel() else memoryview(b""))
+    blocks = [(v, a) for v in sources for a in range(0, len(v) or 1, block)]
+    total = sum(len(v) for v in sources)
+    local = threading.local()
 
-    def one(block: memoryview) -> bytes:
-        return xxhash.xxh3_128(block).digest()
+    def one(item: tuple[memoryview | _Rows, int]) -> bytes:
+        v, a = item
+        if isinstance(v, memoryview):
+            return xxhash.xxh3_128(v[a:a + block]).digest()
+        buf = getattr(local, "buf", None)
+        if buf is None or buf.numel() < block:
+            import torch
+            buf = local.buf = torch.empty(block, dtype=torch.uint8)
+        return xxhash.xxh3_128(v.copy_bytes(a, min(a + block, len(v)), buf)).digest()
 
     done = (_threads.run_shared(blocks, one) if total >= _PARALLEL_BYTES
             else [one(b) for b in blocks])
     out, k = [], 0
-    for v in views:
+    for v in sources:
         n = max(1, -(-len(v) // block))
         out.append(combine_digests(b"".join(done[k:k + n]), len(v)))
         k += n
     return out
+
+
+class _Rows:
+    """A strided 2-D tensor on the CPU whose rows are each contiguous, read as the bytes of
+    its logical order (row after row) a range at a time (:meth:`copy_bytes`)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.width = t.shape[1]
+        self.itemsize = t.element_size()
+        self.nbytes = t.numel() * self.itemsize
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "_Rows | None":
+        """The rows of ``t``, or None where the whole-tensor path applies (contiguous,
+        not 2-D, not on the CPU, or its rows not contiguous)."""
+        if (t.device.type != "cpu" or t.dim() != 2 or t.is_contiguous() or not t.numel()
+                or t.stride(1) != 1):
+            return None
+        return cls(t)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def copy_bytes(self, start: int, end: int, buf: torch.Tensor) -> memoryview:
+        """Bytes ``[start, end)`` of the logical order, copied into ``buf`` (uint8, at
+        least ``end - start`` bytes); both ends are multiples of the item size."""
+        out = buf[:end - start].view(self.t.dtype)
+        e, e1 = start // self.itemsize, end // self.itemsize
+        r, c = divmod(e, self.width)
+        pos = 0
+        if c:  # the end of a row
+            n = min(self.width - c, e1 - e)
+            out[:n].copy_(self.t[r, c:c + n])
+            pos, e, r = n, e + n, r + 1
+        full = (e1 - e) // self.width
+        if full:
+            out[pos:pos + full * self.width].view(full, self.width).copy_(self.t[r:r + full])
+            pos, e, r = pos + full * self.width, e + full * self.width, r + full
+        if e < e1:  # the start of a row
+            out[pos:pos + e1 - e].copy_(self.t[r, :e1 - e])
+        return memoryview(buf[:end - start].numpy())
 
 
 def block_bytes(algorithm: str) -> int | None:

@@ -133,6 +133,37 @@ def test_a_block_digest_is_xxh3_of_each_block_then_of_their_digests(algo, b):
     assert digest.digest(big, other) != together[0]
 
 
+@pytest.mark.parametrize("algo", [digest.XXH3_BLOCKS, digest.XXH3_BLOCKS_1M])
+def test_a_column_slice_is_hashed_in_logical_order_block_by_block(algo):
+    """A strided matrix whose rows are contiguous (a column strip of a row-parallel
+    weight, as a pull across layouts checks it) is hashed a block at a time from its
+    rows, not copied out whole: its digest is that of the same bytes made contiguous,
+    whether a block boundary falls inside a row or on one, a block spans one row or
+    many, on one thread or several (a batch over ``_PARALLEL_BYTES``); one changed
+    element in the middle block changes its digest."""
+    b = digest.block_bytes(algo)
+    g = torch.Generator().manual_seed(12)
+    rows = 3 * b // (4 * 1000) + 7  # float32 rows of 1000 elements: blocks cut rows
+    wide = torch.randn(rows, 1300, generator=g)
+    cases = [
+        wide[:, 100:1100],                                    # rows of 4000 bytes
+        wide.to(torch.bfloat16)[:, 300:],                     # 2000 bytes, odd offset
+        torch.randint(0, 256, (b // 512 + 3, 1024), dtype=torch.uint8, generator=g)[:, :512],
+        wide[:, 5:6],                                         # one element per row
+        torch.randn(3, 10, generator=g)[1:, 2:9],             # smaller than a block
+    ]
+    assert all(not t.is_contiguous() and t.stride(1) == 1 for t in cases)
+    want = [digest.digest(t.contiguous(), algo) for t in cases]
+    assert digest.digest_many(cases, algo) == want
+    assert [digest.digest(t, algo) for t in cases] == want
+    batch = cases * -(-digest._PARALLEL_BYTES // sum(t.numel() * t.element_size()
+                                                     for t in cases))
+    assert digest.digest_many(batch, algo) == want * (len(batch) // len(cases))
+    changed = wide.clone()
+    changed[rows // 2, 600] += 1.0
+    assert digest.digest(changed[:, 100:1100], algo) != want[0]
+
+
 def test_the_default_digest_of_host_tensors_has_small_blocks_below_512_mib():
     """1 MiB blocks for a model of less than 512 MiB in all (its 16-thread copy is cut
     into pieces under 8 MiB), 8 MiB blocks from there on; a GPU tensor anywhere makes
