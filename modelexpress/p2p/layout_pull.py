@@ -294,8 +294,14 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
             finish(plan, buffers)
             result = _result(plan, results, by_id, skipped, record.id, data_s, verify_s,
                              close_wait_s, control_s, plan_s, t_start, PullResult)
+            t_final = time.perf_counter()
             tracker.report(result.bytes, result.bytes, force=True, rate_bps=result.gbps * 1e9)
             tracker.finish("SUCCEEDED", done=result.bytes, outcome=outcome_of(result))
+            # the last two round trips are control plane, as in a same-layout pull
+            result = dataclasses.replace(
+                result, total_seconds=time.perf_counter() - t_start,
+                phases={**result.phases, "control_plane": round(
+                    result.phases["control_plane"] + time.perf_counter() - t_final, 6)})
             log.info("pulled %s rank %d/%d across layouts: %d bytes from %s in %.3f s "
                      "(%.2f GB/s, %s; %d blocks verified, %d of them as they landed, the "
                      "rest in %.3f s; the pull took %.3f s)",
@@ -514,19 +520,33 @@ def _nothing_to_try(message: str) -> NoSourceError:
 
 def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
            skipped: list) -> list[LayoutSource]:
-    """The candidates of other layouts with their manifests and layouts; those of this
-    very identity are for :func:`~modelexpress.p2p.pull` (tried before this)."""
+    """The candidates of other layouts with their manifests and layouts, in ``ids``'
+    order; those of this very identity are for :func:`~modelexpress.p2p.pull` (tried
+    before this). The records are fetched together (at most ``_FETCH_THREADS`` at a
+    time): a TP=1 target needs both of a TP=2 peer's, and one round trip's wait is
+    paid instead of one per source."""
     from modelexpress.p2p.manifests import manifest_of
     from modelexpress.p2p.result import SkippedSource
 
-    out = []
-    for source_id in ids:
-        if source_id.startswith(f"{identity.id}:"):
-            continue  # this very identity's (the server names sources identity:worker)
+    # not this very identity's (the server names sources identity:worker)
+    wanted = [s for s in ids if not s.startswith(f"{identity.id}:")]
+
+    def get(source_id: str) -> "SourceInfo | MxError":
         try:
-            info = client.get_source(source_id)
+            return client.get_source(source_id)
         except MxError as exc:
-            skipped.append(SkippedSource(source_id, "?", f"could not fetch it: {exc}"))
+            return exc
+
+    if len(wanted) > 1:
+        with concurrent.futures.ThreadPoolExecutor(
+                min(len(wanted), _FETCH_THREADS), thread_name_prefix="mx-layout-fetch") as pool:
+            fetched = list(pool.map(get, wanted))
+    else:
+        fetched = [get(s) for s in wanted]
+    out = []
+    for source_id, info in zip(wanted, fetched):
+        if isinstance(info, MxError):
+            skipped.append(SkippedSource(source_id, "?", f"could not fetch it: {info}"))
             continue
         if info.identity_id == identity.id:
             continue
@@ -538,6 +558,9 @@ def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
         except (LayoutError, MxError) as exc:
             skipped.append(_skip(info, f"unusable layout or manifest: {exc}"))
     return out
+
+
+_FETCH_THREADS = 8
 
 
 def _skip(info: "SourceInfo", reason: str) -> Any:
