@@ -14,9 +14,10 @@ Per round, alternating, each into a fresh destination:
 * ``across``: :func:`~modelexpress.p2p.layout_pull.pull_across_layouts` from the two
   TP=2 ranks (plan, box copies, block digests);
 
-over the local transport (``local``) and over NIXL (``nixl``, ``MX_IPC_DIR=off``); over
-NIXL ``across`` reads the short strided runs as covering spans and gathers them here
-(the default), and ``across_runs`` posts one descriptor per run instead;
+over the local transport (``local``) and over NIXL (``nixl``, ``MX_IPC_DIR=off``); the
+short strided runs (rows of 1 and 2.75 KiB) are read as covering spans and gathered
+here (the readers' default), and ``across_runs`` reads them one run each instead (over
+NIXL one descriptor per run);
 ``local_across_after`` is ``local_across`` with every block hashed after the copies
 rather than as its bytes land (the readers are offered no checks). ``tp2`` pulls a
 TP=2 rank from the TP=1 source (its row-parallel weights are column halves of the
@@ -33,7 +34,10 @@ the hand-written layouts of ``tests/p2p/synthetic_layout.py`` (a merged qkv, row
 three source processes (``synthetic_source.py``: TP=1 and both TP=2 ranks, each in one
 allocation on DEVICE, block digests hashed there) and this process as the target,
 its destination on DEVICE. Cases ``{local,nixl}_same``, ``{local,nixl}_across``
-(TP=2 -> TP=1) and ``{local,nixl}_tp2`` (TP=1 -> a TP=2 rank); on a GPU also
+(TP=2 -> TP=1), ``local_across_covering`` (the same with the rows of ``o`` and ``down``,
+8 and 28 KiB, read as covering spans and gathered, as the NIXL reader does: into host
+memory the local reader reads runs of 8 KiB and more one by one) and
+``{local,nixl}_tp2`` (TP=1 -> a TP=2 rank); on a GPU also
 ``row_copies``: the row-parallel weights' column halves copied on their own by
 ``cuMemcpy2DAsync``, against one contiguous copy of the same bytes. A pull across layouts
 also reports ``hashing_s`` (its block checks' hashing, beside later reads and after the
@@ -138,7 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         **{f"phase_{k}_s": v for k, v in result.phases.items() if v}}
 
             def across(local: bool, tp: int = 1, rank: int = 0,
-                       covering: int = COVERING_BELOW, as_landed: bool = True) -> dict[str, float]:
+                       covering: int | None = None, as_landed: bool = True) -> dict[str, float]:
                 dest, target = _fresh(ckpt, tp, rank)
                 opts = PullOptions(local=LocalOptions(ipc_dir=ipc if local else "off"),
                                    worker_id="bench-target", stall_s=120.0)
@@ -164,8 +168,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "local_same": lambda: same(True),
                 "local_across": lambda: across(True),
                 "local_across_after": lambda: across(True, as_landed=False),
+                "local_across_runs": lambda: across(True, covering=0),
                 "nixl_same": lambda: same(False),
-                "nixl_across": lambda: across(False),
+                "nixl_across": lambda: across(False, covering=COVERING_BELOW),
                 "nixl_across_runs": lambda: across(False, covering=0),
                 "local_tp2": lambda: across(True, 2, 0),
                 "nixl_tp2_covering": lambda: across(False, 2, 0, covering=1 << 40),
@@ -253,6 +258,7 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     import synthetic_layout as syn
     from layout_world import layout_sources
 
+    from modelexpress.layout.readers import COVERING_BELOW
     from modelexpress.local import LocalOptions
     from modelexpress.p2p import PullOptions, pull
     from modelexpress.p2p.layout_pull import pull_across_layouts
@@ -316,11 +322,13 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
                         "connect_s": result.connect_seconds,
                         **{f"phase_{k}_s": v for k, v in result.phases.items() if v}}
 
-            def across(local: bool, tp: int, rank: int) -> dict[str, float]:
+            def across(local: bool, tp: int, rank: int,
+                       covering_below: int | None = None) -> dict[str, float]:
                 target, dest = fresh(tp, rank)
                 t0 = time.perf_counter()
                 out = pull_across_layouts(syn.identity(tp, rank), target, dest, client=client,
-                                          options=options(local))
+                                          options=options(local),
+                                          covering_below=covering_below)
                 sync()
                 total = time.perf_counter() - t0
                 check(tp, rank, target, dest)
@@ -339,6 +347,7 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
 
             cases = {"local_same": lambda: same(True),
                      "local_across": lambda: across(True, 1, 0),
+                     "local_across_covering": lambda: across(True, 1, 0, COVERING_BELOW),
                      "local_tp2": lambda: across(True, 2, 1),
                      "nixl_same": lambda: same(False),
                      "nixl_across": lambda: across(False, 1, 0),

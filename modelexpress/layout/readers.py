@@ -38,14 +38,23 @@ if TYPE_CHECKING:
     from modelexpress.transfer import Manifest, NixlTransferManager
     from modelexpress.transfer.manifest import TensorEntry
 
-__all__ = ["COVERING_BELOW", "LayoutReader", "LocalLayoutReader", "NixlLayoutReader",
+__all__ = ["COVERING_BELOW", "HOST_COVERING_BELOW", "LayoutReader", "LocalLayoutReader", "NixlLayoutReader",
            "ReadStats", "allocate_scratch", "box_view", "check_blocks", "copy_boxes", "finish"]
 
 log = logging.getLogger(__name__)
 
 COVERING_BELOW = 64 << 10
-"""A NIXL copy whose runs are shorter than this is read as its covering span (bytes).
-``bench/layout.py`` compares the two; see docs/benchmarks.md, "Across layouts"."""
+"""A NIXL copy whose runs are shorter than this is read as its covering span (bytes),
+and so is a same-host copy into a GPU that is not one pitched copy. ``bench/layout.py``
+compares the two; see docs/benchmarks.md, "Across layouts"."""
+
+HOST_COVERING_BELOW = 8 << 10
+"""The same for a same-host copy into host memory. There each run is one piece of the
+local transport's copy loop (about 1 us of Python each), and a covering span costs a
+second copy of its bytes, into scratch memory that is new (its page faults) and then
+out of it: rows of 1 and 2.75 KiB were faster covered (the pull 81 against 116 ms),
+rows of 8 KiB took the same either way (126 and 127 ms), and rows of 28 KiB were much
+faster read as runs (docs/benchmarks.md, "Across layouts")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,19 +247,21 @@ class LocalLayoutReader:
         manifest: its manifest.
         device: CUDA ordinal of the destination, None for host memory.
         timeout_s: bound on connecting.
-        covering_below: see :data:`COVERING_BELOW`.
+        covering_below: see :data:`COVERING_BELOW`; default :data:`HOST_COVERING_BELOW`
+            into host memory, :data:`COVERING_BELOW` into a GPU.
     """
 
     transport = "local"
 
     def __init__(self, endpoint: "LocalEndpoint", manifest: "Manifest",
                  device: int | None = None, timeout_s: float = 10.0,
-                 covering_below: int = COVERING_BELOW) -> None:
+                 covering_below: int | None = None) -> None:
         self.endpoint = endpoint
         self.manifest = manifest
         self.device = device
         self.timeout_s = timeout_s
-        self.covering_below = covering_below
+        self.covering_below = (covering_below if covering_below is not None else
+                               HOST_COVERING_BELOW if device is None else COVERING_BELOW)
         self.copied = 0
         self._session: Any = None
         self._lock = threading.Lock()

@@ -132,8 +132,7 @@ def layout_readers(opts: PullOptions, manager: Callable[[], "NixlTransferManager
         if here is not None and ep is not None and ep.host_id == here:
             return LocalLayoutReader(ep, source.manifest,
                                      None if device.type == "cpu" else (device.index or 0),
-                                     covering_below=(COVERING_BELOW if covering_below is None
-                                                     else covering_below))
+                                     covering_below=covering_below)
         if source.info.agent_metadata is None:
             raise TransferError(f"source {source.info.id} publishes no NIXL agent")
         return NixlLayoutReader(manager(), source.info.agent_metadata, source.manifest,
@@ -171,7 +170,9 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
         progress: ``progress(bytes_done, bytes_total)``.
         stop: set: stop at the next copy (TransferCancelledError).
         readers: picks each source's reader (default :func:`layout_readers`).
-        covering_below: see :class:`~modelexpress.layout.readers.NixlLayoutReader`.
+        covering_below: runs shorter than this are read as their covering span (default:
+            the reader's own, :data:`~modelexpress.layout.readers.COVERING_BELOW` or, same
+            host into host memory, :data:`~modelexpress.layout.readers.HOST_COVERING_BELOW`).
         before_writing: called once, just before the first byte is written into
             ``dest`` (a caller that must rebuild a destination written to learns it).
 

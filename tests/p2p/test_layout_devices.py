@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 import sys
 from collections.abc import Iterator
 
@@ -95,7 +96,7 @@ def arena_for(world: World) -> Iterator:
 
 
 def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None,  # noqa: ANN001, ANN202
-          progress=None):  # noqa: ANN001
+          progress=None, covering_below: int | None = None):  # noqa: ANN001
     from modelexpress.local import LocalOptions
     from modelexpress.p2p import PullOptions
     from modelexpress.p2p.layout_pull import pull_across_layouts
@@ -117,7 +118,8 @@ def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None,  # noqa:
                           stall_s=60.0, timeout_s=120.0)
     with world.client() as client:
         out = pull_across_layouts(syn.identity(tp, rank), target, dest, client=client,
-                                  options=options, progress=progress)
+                                  options=options, progress=progress,
+                                  covering_below=covering_below)
     expected = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in syn.specs(target)}
     syn.assemble(target, syn.checkpoint(), expected)
     for name, want in expected.items():
@@ -137,6 +139,30 @@ def test_the_tp1_rank_from_both_tp2_ranks(world: World, arena_for, local: bool, 
     assert out.result.verified and out.layout.tp_size == 1
     assert (out.result.transport == "local") == local, out.result.transport
     assert out.blocks.digests  # every block it assembled, checked
+
+
+@pytest.mark.parametrize("covering_below", [0, 1 << 40], ids=["runs", "covering"])
+def test_the_rows_of_row_parallel_weights_are_read_one_by_one_or_covered(
+        world: World, covering_below: int) -> None:
+    """The TP=2 ranks' ``o`` and ``down`` land in column halves of the TP=1 rank, a run
+    per row: over the local transport each row is read on its own (``0``) or the shard
+    as its covering span, gathered here; either way every byte equals the checkpoint's.
+    Into a GPU such rows are one pitched copy whatever the threshold."""
+    from modelexpress.layout.readers import (COVERING_BELOW, HOST_COVERING_BELOW,
+                                             LocalLayoutReader)
+
+    out = _pull(world, 1, 0, local=True, covering_below=covering_below)
+    detail = out.result.transport_detail
+    assert out.result.transport == "local" and out.result.verified
+    if world.device == "cpu":
+        covered = [int(n) for n in re.findall(r"(\d+) covering span\(s\)", detail)]
+        assert len(covered) == 2, detail  # one line per source
+        assert (sum(covered) == 0) == (covering_below == 0), detail
+    else:
+        assert "0 pitched" not in detail, detail
+    # the default: covering into host memory only below 8 KiB, into a GPU below 64 KiB
+    assert LocalLayoutReader(None, None).covering_below == HOST_COVERING_BELOW == 8 << 10  # type: ignore[arg-type]
+    assert LocalLayoutReader(None, None, 0).covering_below == COVERING_BELOW  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("local", [True, False], ids=["local", "nixl"])
