@@ -521,33 +521,19 @@ def _nothing_to_try(message: str) -> NoSourceError:
 
 def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
            skipped: list) -> list[LayoutSource]:
-    """The candidates of other layouts with their manifests and layouts, in ``ids``'
-    order; those of this very identity are for :func:`~modelexpress.p2p.pull` (tried
-    before this). The records are fetched together (at most ``_FETCH_THREADS`` at a
-    time): a TP=1 target needs both of a TP=2 peer's, and one round trip's wait is
-    paid instead of one per source."""
+    """The candidates of other layouts with their manifests and layouts; those of this
+    very identity are for :func:`~modelexpress.p2p.pull` (tried before this)."""
     from modelexpress.p2p.manifests import manifest_of
     from modelexpress.p2p.result import SkippedSource
 
-    # not this very identity's (the server names sources identity:worker)
-    wanted = [s for s in ids if not s.startswith(f"{identity.id}:")]
-
-    def get(source_id: str) -> "SourceInfo | MxError":
-        try:
-            return client.get_source(source_id)
-        except MxError as exc:
-            return exc
-
-    if len(wanted) > 1:
-        with concurrent.futures.ThreadPoolExecutor(
-                min(len(wanted), _FETCH_THREADS), thread_name_prefix="mx-layout-fetch") as pool:
-            fetched = list(pool.map(get, wanted))
-    else:
-        fetched = [get(s) for s in wanted]
     out = []
-    for source_id, info in zip(wanted, fetched):
-        if isinstance(info, MxError):
-            skipped.append(SkippedSource(source_id, "?", f"could not fetch it: {info}"))
+    for source_id in ids:
+        if source_id.startswith(f"{identity.id}:"):
+            continue  # this very identity's (the server names sources identity:worker)
+        try:
+            info = client.get_source(source_id)
+        except MxError as exc:
+            skipped.append(SkippedSource(source_id, "?", f"could not fetch it: {exc}"))
             continue
         if info.identity_id == identity.id:
             continue
@@ -559,9 +545,6 @@ def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
         except (LayoutError, MxError) as exc:
             skipped.append(_skip(info, f"unusable layout or manifest: {exc}"))
     return out
-
-
-_FETCH_THREADS = 8
 
 
 def _skip(info: "SourceInfo", reason: str) -> Any:
