@@ -344,9 +344,9 @@ class LocalLayoutReader:
     def _host(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None",
               progress: Callable[[int], None], stop: Callable[[], bool], end: float,
               deadline_s: float, in_pass: Any = None) -> int:
-        from modelexpress.local.hostcopy import HostCopier
+        from modelexpress.local.hostcopy import HostCopier, Rows
 
-        jobs: list[tuple[int, int, int, int]] = []
+        jobs: list[tuple[int, int, int, int] | Rows] = []
         where: dict[str, tuple[int, int]] = {}
 
         def base(entry: "TensorEntry") -> tuple[int, int]:
@@ -359,7 +359,10 @@ class LocalLayoutReader:
 
         for _c, entry, s_off, d_addr, run in runs.direct:
             seg, off0 = base(entry)
-            jobs.extend((seg, off0 + s, d, run) for s, d in zip(s_off.tolist(), d_addr.tolist()))
+            if len(s_off) > 1:  # rows: cut into pieces without Python per row
+                jobs.append(Rows(seg, s_off.astype("int64") + off0, d_addr.astype("int64"), run))
+            else:
+                jobs.append((seg, off0 + int(s_off[0]), int(d_addr[0]), run))
         for _c, entry, off, n, at in runs.covering:
             seg, off0 = base(entry)
             jobs.append((seg, off0 + off, scratch.data_ptr() + at, n))  # type: ignore[union-attr]
@@ -372,12 +375,13 @@ class LocalLayoutReader:
                 if time.monotonic() > end:
                     raise TransferTimeoutError(f"cross-layout read from {self.endpoint.source_id} "
                                                f"did not finish within {deadline_s:.0f} s")
-                copier.copy(chunk, in_pass)
-                done += sum(j[3] for j in chunk)
+                copier.copy([j for j in chunk if isinstance(j, tuple)], in_pass,
+                            rows=[j for j in chunk if isinstance(j, Rows)])
+                done += sum(_job_bytes(j) for j in chunk)
                 progress(done)
         finally:
             copier.close()
-        return len(jobs)
+        return sum(len(j.offsets) if isinstance(j, Rows) else 1 for j in jobs)
 
     def _device(self, session: Any, runs: _Runs, scratch: "torch.Tensor | None"
                 ) -> tuple[int, float, float]:
@@ -459,16 +463,20 @@ def _outcomes(in_pass: Any) -> tuple[tuple[Check, ...], tuple[Check, ...]]:
 _LOCAL_CHUNK_BYTES = 256 << 20  # progress and stop between HostCopier calls
 
 
-def _chunks(jobs: Sequence[tuple[int, int, int, int]], limit: int
-            ) -> list[list[tuple[int, int, int, int]]]:
-    out: list[list[tuple[int, int, int, int]]] = [[]]
+def _job_bytes(job: Any) -> int:
+    """The bytes of a host job: a ``(segment, offset, dst, nbytes)`` run or its Rows."""
+    return job[3] if isinstance(job, tuple) else job.total
+
+
+def _chunks(jobs: Sequence[Any], limit: int) -> list[list[Any]]:
+    out: list[list[Any]] = [[]]
     filled = 0
     for job in jobs:
         if filled >= limit and out[-1]:
             out.append([])
             filled = 0
         out[-1].append(job)
-        filled += job[3]
+        filled += _job_bytes(job)
     return [c for c in out if c]
 
 

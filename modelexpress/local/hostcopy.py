@@ -71,6 +71,7 @@ import array
 import bisect
 import concurrent.futures
 import ctypes
+import dataclasses
 import functools
 import logging
 import threading
@@ -95,7 +96,7 @@ if TYPE_CHECKING:
     from modelexpress.local.hugepages import HugePages
     from modelexpress.local.memory import HostMapping
 
-__all__ = ["DigestsAlongside", "DigestsInPass", "HostCopier", "copy_threads",
+__all__ = ["DigestsAlongside", "DigestsInPass", "HostCopier", "Rows", "copy_threads",
            "digest_items", "digests_for"]
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,30 @@ def _piece_bytes(total: int, threads: int, fine: bool) -> int:
     return size
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Runs of one length out of one segment: ``nbytes`` from each of ``offsets`` (in
+    the segment) to each of ``dsts`` (addresses); int64 numpy arrays of one length.
+
+    The rows of a column slice (a row-parallel weight's shard landing in its part of
+    each row of the whole): :meth:`HostCopier.copy` cuts them into the C loop's pieces
+    with numpy, where a run given on its own costs about 1 us of Python."""
+
+    segment: int
+    offsets: Any
+    dsts: Any
+    nbytes: int
+
+    @property
+    def total(self) -> int:
+        return len(self.offsets) * self.nbytes
+
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        """The same, one ``(segment, offset, dst_addr, nbytes)`` run per row."""
+        return [(self.segment, o, d, self.nbytes)
+                for o, d in zip(self.offsets.tolist(), self.dsts.tolist())]
+
+
 class HostCopier:
     """Copies ``(segment, offset, dst_addr, nbytes)`` runs out of a :class:`HostMapping`.
 
@@ -285,19 +310,22 @@ class HostCopier:
             COPYLOOP.falling_back(log)
 
     def copy(self, copies: Sequence[tuple[int, int, int, int]],
-             in_pass: "DigestsInPass | None" = None) -> None:
-        """Copy every run (hashing each tensor's bytes as they land when ``in_pass``);
-        returns once all landed (and were hashed).
+             in_pass: "DigestsInPass | None" = None, rows: Sequence[Rows] = ()) -> None:
+        """Copy every run and every row of ``rows`` (hashing each tensor's bytes as they
+        land when ``in_pass``); returns once all landed (and were hashed).
 
         Raises:
             BackendError: a read failed (after every other piece has finished: nothing
                 still writes into the destination when this returns or raises).
         """
-        total = sum(c[3] for c in copies)
+        native = self.native and (in_pass is None or (in_pass.xxh3 and _xxh3_address() != 0))
+        if rows and not (native and self.huge_pages is None):
+            copies = [*copies, *(run for r in rows for run in r.runs())]
+            rows = ()
+        total = sum(c[3] for c in copies) + sum(r.total for r in rows)
         # Whether new destination pages fault in huge: then the C loop's page-cache reads
         # take the faults themselves (see _copy_native).
         huge = self.huge_pages is not None and self.huge_pages.faults_huge(copies)
-        native = self.native and (in_pass is None or (in_pass.xxh3 and _xxh3_address() != 0))
         # Fine pieces in the C loop; in Python only into new memory (judged by the
         # largest copy's destination): into touched memory a piece copies in well under
         # 1 ms and its Python costs more than idle threads do.
@@ -306,7 +334,7 @@ class HostCopier:
         size = _piece_bytes(total, self.threads, fine)
         if native:
             self._copy_native(copies, size, in_pass, 1 if total < _INLINE_BYTES else self.threads,
-                              _FILE if huge else _FILE | _PREFAULT)
+                              _FILE if huge else _FILE | _PREFAULT, rows)
             return
         if in_pass is not None:
             pieces = in_pass.pieces(copies, size)
@@ -330,7 +358,8 @@ class HostCopier:
             stream.landed(dst, n)
 
     def _copy_native(self, copies: Sequence[tuple[int, int, int, int]], size: int,
-                     in_pass: "DigestsInPass | None", workers: int, file_flags: int) -> None:
+                     in_pass: "DigestsInPass | None", workers: int, file_flags: int,
+                     rows: Sequence[Rows] = ()) -> None:
         """The copies cut into pieces and read by the C loop, without the GIL. It hashes
         every range landed whole by this copy and untouched so far, and whatever it
         could not finish (a page-cache miss, a read error, a range a chunk end cuts) is
@@ -351,7 +380,9 @@ class HostCopier:
         pull and its digest buffer (``DigestsInPass``): this Python, per piece, is most
         of a verified pull's fixed cost on many cores. (numpy for the cutting was
         slower: its fixed cost per call, from cold caches after the copy before, came
-        to more than the Python for ~90 pieces.)"""
+        to more than the Python for ~90 pieces.) ``rows`` whose runs are one piece each,
+        out of a memfd, into no range of ``in_pass`` are made pieces by numpy
+        (:meth:`_row_pieces`); the others are cut here as runs of their own."""
         flat = array.array("q")
         put = flat.extend
         read_source = self.mapping.read_source
@@ -360,6 +391,14 @@ class HostCopier:
         else:
             starts = ends = ids = []
         m = len(starts)
+        row_pieces, in_rows = [], []
+        for r in rows:
+            got = self._row_pieces(r, size, starts, ends)
+            if got is None:
+                copies = [*copies, *r.runs()]
+            else:
+                row_pieces.append(got)
+                in_rows.append(r)
         left = array.array("q", bytes(8 * len(in_pass.sizes))) if in_pass is not None else None
         partial = []  # ranges a copy starts or ends inside of: fed in Python
         for seg, off, dst, n in copies:
@@ -392,6 +431,8 @@ class HostCopier:
                         k += 1
             if r >= 0 and dst + n != until:  # the copy ends inside range r
                 partial.append(r)
+        for pieces in row_pieces:
+            flat.frombytes(pieces.tobytes())
         if not flat:
             return
         n_pieces = len(flat) // 6
@@ -421,7 +462,8 @@ class HostCopier:
         if short:
             # A piece is (fd, offset in fd, dst, ...): its segment and offset there are its
             # copy's, found by destination (copies do not overlap there).
-            by_dst = sorted((dst, seg, off) for seg, off, dst, n in copies if n > 0)
+            by_dst = sorted((dst, seg, off) for seg, off, dst, n in
+                            (*copies, *(run for r in in_rows for run in r.runs())) if n > 0)
             starts_at = [c[0] for c in by_dst]
             rest = []
             for i in range(0, len(flat), 6):
@@ -439,6 +481,36 @@ class HostCopier:
                 # (each piece's range found again: those not the loop's are -1 in flat)
                 for i in range(0, len(flat), 6):
                     in_pass.landed_in_python(flat[i + 2], flat[i + 3])
+
+    def _row_pieces(self, rows: Rows, size: int, starts: Sequence[int],
+                    ends: Sequence[int]) -> Any:
+        """``rows`` as the C loop's pieces, ``(fd, offset, dst, nbytes, flags, -1)`` a
+        row (an int64 array of 6 columns), or None where a row is more than one piece
+        (longer than ``size``), the rows are not all in one memfd (a file's page cache
+        is read a piece at a time: ``read_source``), or they land in a range hashed in
+        the pass (``starts``/``ends``: sorted, not overlapping)."""
+        import numpy as np
+
+        n = len(rows.offsets)
+        if n == 0 or rows.nbytes <= 0 or rows.nbytes > size:
+            return None
+        lo = int(rows.offsets.min())
+        where = self.mapping.read_source(rows.segment, lo,
+                                         int(rows.offsets.max()) + rows.nbytes - lo)
+        if where is None or where[2]:
+            return None
+        d_lo, d_end = int(rows.dsts.min()), int(rows.dsts.max()) + rows.nbytes
+        k = bisect.bisect_right(ends, d_lo)  # the first range that ends after d_lo
+        if k < len(starts) and starts[k] < d_end:
+            return None
+        out = np.empty((n, 6), dtype=np.int64)
+        out[:, 0] = where[0]
+        out[:, 1] = rows.offsets - lo + where[1]
+        out[:, 2] = rows.dsts
+        out[:, 3] = rows.nbytes
+        out[:, 4] = _PREFAULT
+        out[:, 5] = -1
+        return out
 
     def close(self) -> None:
         """(Nothing to release: the copy threads are the process's, see

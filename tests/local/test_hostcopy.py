@@ -275,6 +275,69 @@ def test_copy_threads_are_the_processes_and_a_failed_lane_waits_for_the_others(s
         buf.close()
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["python-loop", "c-loop"])
+def test_rows_land_as_their_runs_and_a_hashed_range_among_them_is_still_hashed(seed, native):
+    """The rows of a column slice, given as :class:`Rows`: every row lands where its run
+    would (strided in the source and in the destination), beside plain runs. In the C
+    loop they are its pieces with no ``read_into`` call; rows longer than a piece, and
+    rows into a range the pass hashes (here a "tensor" of one row, with a digest), are
+    cut as runs of their own, so that range is hashed and checked like any other."""
+    import numpy as np
+
+    from modelexpress.local.hostcopy import Rows
+
+    buf, _ = _source([8 << 20], seed)
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    calls: list[tuple[int, int]] = []
+    read = mapping.read_into
+
+    def recording(seg: int, off: int, addr: int, nbytes: int) -> None:
+        calls.append((off, nbytes))
+        read(seg, off, addr, nbytes)
+
+    mapping.read_into = recording  # type: ignore[method-assign]
+    try:
+        src = buf.tensor(0, (8 << 20,), torch.uint8)
+        n_rows, run, s_pitch, d_pitch = 700, 1000, 3000, 2500
+        dst = torch.zeros(n_rows * d_pitch + (2 << 20), dtype=torch.uint8)
+        base = dst.data_ptr()
+        rows = Rows(0, np.arange(n_rows, dtype=np.int64) * s_pitch + 17,
+                    base + np.arange(n_rows, dtype=np.int64) * d_pitch, run)
+        plain_at = n_rows * d_pitch
+        copier = HostCopier(mapping, threads=2, native=native)
+        copier.copy([(0, 5 << 20, base + plain_at, 1 << 20)], rows=[rows])
+        for i in (0, 1, n_rows // 2, n_rows - 1):
+            got = dst[i * d_pitch:i * d_pitch + run]
+            assert torch.equal(got, src[i * s_pitch + 17:i * s_pitch + 17 + run]), i
+            assert not dst[i * d_pitch + run:(i + 1) * d_pitch].any(), i  # between rows: untouched
+        assert torch.equal(dst[plain_at:plain_at + (1 << 20)], src[5 << 20:6 << 20])
+        assert (calls == []) == native, calls  # the C loop read them itself
+
+        # rows 1.5 MiB long, each more than one piece of the C loop (1 MiB at least)
+        dst.zero_()
+        long_rows = Rows(0, np.array([0, 3 << 20], dtype=np.int64),
+                         base + np.array([0, 2 << 20], dtype=np.int64), 3 << 19)
+        copier.copy([], rows=[long_rows])
+        assert torch.equal(dst[:3 << 19], src[:3 << 19])
+        assert torch.equal(dst[2 << 20:(2 << 20) + (3 << 19)], src[3 << 20:(3 << 20) + (3 << 19)])
+
+        # a range the pass hashes among the rows (row 10's destination): its bytes are
+        # fed to its hasher, and checked
+        dst.zero_()
+        at = 10 * d_pitch
+        want = src[10 * s_pitch + 17:10 * s_pitch + 17 + run]
+        pair = types.SimpleNamespace(name="t", remote=types.SimpleNamespace(
+            addr=0, nbytes=run, digest=digest.digest(want, digest.XXH3)))
+        check = DigestsInPass(digest.XXH3, [pair], {"t": dst[at:at + run]}, "test peer")
+        copier.copy([], check, rows=[rows])
+        assert check.finish() == 1
+        assert torch.equal(dst[at:at + run], want)
+        copier.close()
+    finally:
+        mapping.close()
+        buf.close()
+
+
 def test_the_c_loop_reads_every_piece_without_python_and_a_failed_piece_raises_last(seed):
     """The C loop reads the pieces itself (no ``read_into`` call); a piece into an
     address that is not mapped is left to the Python path, which raises, after every
