@@ -38,8 +38,9 @@ if TYPE_CHECKING:
     from modelexpress.transfer import Manifest, NixlTransferManager
     from modelexpress.transfer.manifest import TensorEntry
 
-__all__ = ["COVERING_BELOW", "HOST_COVERING_BELOW", "LayoutReader", "LocalLayoutReader", "NixlLayoutReader",
-           "ReadStats", "allocate_scratch", "box_view", "check_blocks", "copy_boxes", "finish"]
+__all__ = ["COVERING_BELOW", "HOST_COVERING_BELOW", "LayoutReader", "LocalLayoutReader",
+           "NixlLayoutReader", "ReadStats", "allocate_scratch", "box_view", "check_blocks",
+           "copy_boxes", "finish"]
 
 log = logging.getLogger(__name__)
 
