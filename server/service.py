@@ -296,7 +296,8 @@ class ControlPlane:
         weights in other parallel layouts that published a layout follow, a layout at a
         time: layouts whose every rank is READY first, then fewer ranks first (fewer
         sources to read), then by the policy (for ``spread``: the layout's fewest live
-        transfers); within a layout, ranks in order, each rank's sources by the policy.
+        transfers); within a layout, the first source of each rank (by the policy) in
+        rank order, then the second of each rank, and so on.
         A target reading across layouts takes each region from the first of these that
         holds it (:mod:`modelexpress.layout.plan`).
 
@@ -357,8 +358,14 @@ class ControlPlane:
                                   sum(load.get(s["id"], 0) for s in g)))
         out: list[Record] = []
         for group in order:
-            for s in sorted(self._by_policy(group, load), key=lambda s: s["identity"]["rank"]):
-                out.append(s)
+            # one source of every rank (each rank's first by the policy), in rank order,
+            # then a second of every rank, ...: a target that fetches the candidates'
+            # records in this order until it holds a whole layout fetches one per rank
+            by_rank: dict[int, list[Record]] = {}
+            for s in self._by_policy(group, load):
+                by_rank.setdefault(int(s["identity"]["rank"]), []).append(s)
+            for turn in range(max(len(v) for v in by_rank.values())):
+                out.extend(by_rank[r][turn] for r in sorted(by_rank) if turn < len(by_rank[r]))
         return out
 
     def _pick_source(self, identity_id: str, target_worker: str, policy: str) -> Record:

@@ -7,9 +7,11 @@ another tensor-parallel layout.
       transfer record <- POST /v1/transfers layouts=any      the server ranks candidates:
                                                              this identity's, then other
                                                              layouts', a layout at a time
-      for each candidate: its manifest and layout            (no layout: passed over)
+      candidates' records (manifest, layout), in order,      (no layout: passed over)
+        until they hold a whole layout
       repeat (at most max_attempts plans):
         plan <- plan_layout(target, candidates not dropped)  coverage checked, nothing moved
+          (none covers: the next whole layout's records)
         for each source the plan uses:                       a reader per source:
           reader.read_copies(its copies)                       local transport or NIXL
         failed checks / a failed read -> drop those sources, plan again
@@ -30,7 +32,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from modelexpress.errors import (ConflictError, ControlPlaneError, LayoutError,
@@ -239,25 +241,33 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                or tracker.stop_requested.is_set())
     try:
         t0 = time.perf_counter()
-        candidates = _fetch(client, record.candidates, identity, skipped)
+        candidates = _Candidates(client, record.candidates, identity, skipped)
+        candidates.more()
         control_s += time.perf_counter() - t0
-        if not candidates:
+        if not candidates.fetched:
             raise _nothing_to_try(_message(identity, "no READY source of another layout "
                                            "publishes a layout", skipped))
         if callable(target):
-            target = target(candidates[0].layout.checkpoint)
+            target = target(candidates.fetched[0].layout.checkpoint)
         dropped: set[str] = set()
-        by_id = {c.info.id: c for c in candidates}
+        by_id = candidates.by_id  # grows as more records are fetched
         plan_s = 0.0
         for attempt in range(1, opts.max_attempts + 1):
             t_plan = time.perf_counter()
-            try:
-                plan = plan_layout(target, [(c.info.id, c.layout) for c in candidates
-                                            if c.info.id not in dropped])
-                plan_s += time.perf_counter() - t_plan
-            except LayoutError as exc:
-                raise NoSourceError(_message(identity, f"no plan covers this rank: {exc}",
-                                             skipped)) from exc
+            while True:
+                try:
+                    plan = plan_layout(target, [(c.info.id, c.layout) for c in candidates.fetched
+                                                if c.info.id not in dropped])
+                    break
+                except LayoutError as exc:
+                    t_more = time.perf_counter()
+                    more = candidates.more(dropped)  # the next whole layout, if any
+                    control_s += time.perf_counter() - t_more
+                    t_plan += time.perf_counter() - t_more
+                    if not more:
+                        raise NoSourceError(_message(
+                            identity, f"no plan covers this rank: {exc}", skipped)) from exc
+            plan_s += time.perf_counter() - t_plan
             buffers = {**dest, **allocate_scratch(plan, device)}
             if before_writing is not None:
                 before_writing()
@@ -519,32 +529,66 @@ def _nothing_to_try(message: str) -> NoSourceError:
     return exc
 
 
-def _fetch(client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
-           skipped: list) -> list[LayoutSource]:
-    """The candidates of other layouts with their manifests and layouts; those of this
-    very identity are for :func:`~modelexpress.p2p.pull` (tried before this)."""
-    from modelexpress.p2p.manifests import manifest_of
-    from modelexpress.p2p.result import SkippedSource
+class _Candidates:
+    """The candidates of other layouts, their records (manifest and layout) fetched in
+    the server's order only as far as the pull needs them: until the fetched sources
+    hold a whole layout (one source of every rank of one tensor-parallel size), and then
+    again only when no plan covers the target with those not dropped. The server puts
+    one source of every rank first (``ControlPlane.rank_sources``), so a target in a
+    fleet of many replicas fetches one record per rank it reads, not every replica's.
+    Those of this very identity are for :func:`~modelexpress.p2p.pull` (tried before
+    this) and are passed over."""
 
-    out = []
-    for source_id in ids:
-        if source_id.startswith(f"{identity.id}:"):
-            continue  # this very identity's (the server names sources identity:worker)
+    def __init__(self, client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
+                 skipped: list) -> None:
+        self._client, self._identity, self._skipped = client, identity, skipped
+        # this very identity's are left out (the server names sources identity:worker)
+        self._ids = [s for s in ids if not s.startswith(f"{identity.id}:")]
+        self._next = 0
+        self.fetched: list[LayoutSource] = []
+        self.by_id: dict[str, LayoutSource] = {}
+
+    def more(self, dropped: Collection[str] = ()) -> bool:
+        """Fetch records in order until those fetched and not ``dropped`` hold a whole
+        layout they did not hold before, or none is left; whether any was added."""
+        added = False
+        while self._next < len(self._ids):
+            source = self._fetch_one(self._ids[self._next])
+            self._next += 1
+            if source is None:
+                continue
+            self.fetched.append(source)
+            self.by_id[source.info.id] = source
+            added = True
+            if _whole_layout(source, [c for c in self.fetched if c.info.id not in dropped]):
+                break
+        return added
+
+    def _fetch_one(self, source_id: str) -> LayoutSource | None:
+        from modelexpress.p2p.manifests import manifest_of
+        from modelexpress.p2p.result import SkippedSource
+
         try:
-            info = client.get_source(source_id)
+            info = self._client.get_source(source_id)
         except MxError as exc:
-            skipped.append(SkippedSource(source_id, "?", f"could not fetch it: {exc}"))
-            continue
-        if info.identity_id == identity.id:
-            continue
+            self._skipped.append(SkippedSource(source_id, "?", f"could not fetch it: {exc}"))
+            return None
+        if info.identity_id == self._identity.id:
+            return None
         if info.layout is None:
-            skipped.append(_skip(info, "it published no layout"))
-            continue
+            self._skipped.append(_skip(info, "it published no layout"))
+            return None
         try:
-            out.append(LayoutSource(info, manifest_of(info), Layout.from_json(info.layout)))
+            return LayoutSource(info, manifest_of(info), Layout.from_json(info.layout))
         except (LayoutError, MxError) as exc:
-            skipped.append(_skip(info, f"unusable layout or manifest: {exc}"))
-    return out
+            self._skipped.append(_skip(info, f"unusable layout or manifest: {exc}"))
+            return None
+
+
+def _whole_layout(last: LayoutSource, sources: Sequence[LayoutSource]) -> bool:
+    """Whether ``sources`` hold every rank of ``last``'s tensor-parallel size."""
+    size = last.layout.tp_size
+    return {c.layout.rank for c in sources if c.layout.tp_size == size} >= set(range(size))
 
 
 def _skip(info: "SourceInfo", reason: str) -> Any:

@@ -161,8 +161,10 @@ def test_the_rows_of_row_parallel_weights_are_read_one_by_one_or_covered(
     else:
         assert "0 pitched" not in detail, detail
     # the default: covering into host memory only below 8 KiB, into a GPU below 64 KiB
-    assert LocalLayoutReader(None, None).covering_below == HOST_COVERING_BELOW == 8 << 10  # type: ignore[arg-type]
-    assert LocalLayoutReader(None, None, 0).covering_below == COVERING_BELOW  # type: ignore[arg-type]
+    into_host = LocalLayoutReader(None, None)  # type: ignore[arg-type]
+    into_gpu = LocalLayoutReader(None, None, 0)  # type: ignore[arg-type]
+    assert into_host.covering_below == HOST_COVERING_BELOW == 8 << 10
+    assert into_gpu.covering_below == COVERING_BELOW
 
 
 @pytest.mark.parametrize("local", [True, False], ids=["local", "nixl"])
@@ -209,3 +211,64 @@ def test_the_final_report_and_the_finish_count_as_control_plane(world: World) ->
     phases = out.result.phases
     assert phases["control_plane"] >= 0.3, phases
     assert sum(phases.values()) == pytest.approx(out.result.total_seconds, abs=1e-4)
+
+
+def test_only_the_records_of_the_sources_a_rank_needs_are_fetched(world: World) -> None:
+    """The candidates' records are fetched in the server's order until they hold a whole
+    layout. A TP=2 rank 1 fetches the TP=1 source's record alone (its own identity's
+    source, TP=2 rank 1, is for a same-layout pull; TP=2 rank 0 is not needed). A TP=4
+    rank 1 fetches the TP=1 source's; when that one cannot be opened it is dropped, no
+    plan covers the rank, and the next whole layout's records are fetched: both TP=2
+    ranks, of which rank 0 holds all of TP=4 rank 1."""
+    from modelexpress.client import MxClient
+    from modelexpress.errors import PeerError
+    from modelexpress.local import LocalOptions
+    from modelexpress.p2p import PullOptions
+    from modelexpress.p2p.layout_pull import layout_readers, pull_across_layouts
+
+    fetched: list[str] = []
+
+    class Client(MxClient):
+        def get_source(self, source_id: str):  # noqa: ANN201
+            fetched.append(source_id)
+            return super().get_source(source_id)
+
+    class Refuses:
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+        def open(self) -> None:
+            raise PeerError(f"{self.key}: refused the connection (test)")
+
+        def read_copies(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            raise AssertionError("a source that could not be opened was read")
+
+    def pull(tp: int, rank: int, refused: str | None = None):  # noqa: ANN202
+        target = syn.layout(tp, rank)
+        dest = {name: torch.empty(shape, dtype=dtype, device=world.device)
+                for name, shape, dtype in syn.specs(target)}
+        options = PullOptions(local=LocalOptions(ipc_dir=world.ipc),
+                              worker_id=f"target-lazy-{tp}-{rank}", stall_s=60.0,
+                              timeout_s=120.0)
+        real = layout_readers(options, lambda: None, torch.device(world.device))
+        readers = (lambda source: Refuses(source.info.id) if source.info.id == refused
+                   else real(source))
+        fetched.clear()
+        with Client(world.server.url, token=world.server.token, timeout_s=30.0) as client:
+            out = pull_across_layouts(syn.identity(tp, rank), target, dest, client=client,
+                                      options=options, readers=readers)
+        expected = {name: torch.empty(shape, dtype=dtype)
+                    for name, shape, dtype in syn.specs(target)}
+        syn.assemble(target, syn.checkpoint(), expected)
+        for name, want in expected.items():
+            assert torch.equal(dest[name].cpu(), want), name
+        return out
+
+    ids = world.sources
+    out = pull(2, 1)
+    assert fetched == [ids["whole"]] and out.result.source_ids == (ids["whole"],)
+    out = pull(4, 1, refused=ids["whole"])
+    assert fetched == [ids["whole"], ids["r0"], ids["r1"]], fetched
+    assert out.result.source_ids == (ids["r0"],)
+    assert any(s.source_id == ids["whole"] and "refused the connection (test)" in s.reason
+               for s in out.result.skipped), out.result.skipped

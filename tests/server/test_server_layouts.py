@@ -56,6 +56,21 @@ def test_candidates_across_layouts_come_a_whole_layout_at_a_time(client) -> None
     assert record.source_id == tp1.id
 
 
+def test_within_a_layout_one_source_of_every_rank_comes_before_a_second(client) -> None:
+    """Three replicas of TP=2 (the third without rank 1): a TP=1 target gets one source
+    of each rank, in rank order, then a second of each, then the third rank 0: fetching
+    records in this order until it holds a whole layout, it fetches two, not five."""
+    model = f"layouts-{uuid.uuid4().hex[:8]}"
+    for replica in "abc":
+        for r in ((0, 1) if replica != "c" else (0,)):
+            _publish(client, model, 2, r, f"w-{replica}-{r}")
+    target = make_identity(model, tp_size=1, rank=0, dtype="bfloat16",
+                           extra=(("vllm", "0.32.0"),))
+    record = client.start_transfer(target, "w-target", run_by_target=True, across_layouts=True)
+    ranks = [client.get_source(c).model_identity.rank for c in record.candidates]
+    assert ranks == [0, 1, 0, 1, 0], ranks
+
+
 def test_without_layouts_any_nothing_changes(client) -> None:
     model = f"layouts-{uuid.uuid4().hex[:8]}"
     _publish(client, model, 2, 0, "w-a")
