@@ -25,7 +25,8 @@ source's rows: ``tp2_covering`` reads whole rows and gathers, ``tp2_runs`` one r
 row). Reported: each pull's ``total_s`` (the call), ``data_s`` (its data plane; the
 opening of its sources, ``connect_s`` or ``phase_connect_s``, apart from it, and for
 a pull across layouts their closing, ``close_s`` or ``phase_close_s``), the
-median over rounds, and ``ratio_across_vs_same`` (medians of ``total_s``; goal <= 1.3).
+median over rounds (``each_round``: every timed round's), and ``ratio_across_vs_same``
+(medians of ``total_s``; goal <= 1.3).
 
 ``--synthetic DEVICE`` (``cpu`` or ``cuda:N``) runs the same comparison without vLLM, on
 the hand-written layouts of ``tests/p2p/synthetic_layout.py`` (a merged qkv, row-parallel
@@ -216,7 +217,7 @@ def _summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
                   for k in sorted({k for r in runs for k in r})}
            for name, runs in rows.items()}
     both = [t for t in ("local", "nixl") if f"{t}_across" in med and f"{t}_same" in med]
-    return {"median": med,
+    return {"median": med, "each_round": rows,
             "ratio_across_vs_same": {t: med[f"{t}_across"]["total_s"] / med[f"{t}_same"]["total_s"]
                                      for t in both},
             "ratio_data_plane": {t: med[f"{t}_across"]["data_s"] / med[f"{t}_same"]["data_s"]
