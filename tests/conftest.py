@@ -60,23 +60,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
     report = outcome.get_result()
     setattr(item, f"rep_{report.when}", report)
 
-
-def _weight(item: pytest.Item) -> int:
-    """0: real vLLM engines or other slow work with vLLM; 1: other slow work; 2: the rest."""
-    if item.get_closest_marker("slow") is None:
-        return 2
-    return 0 if item.get_closest_marker("vllm") is not None else 1
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slowest files first, each file's tests together and in their order (a file
-    weighs as its slowest test). ``./dev test`` hands whole files to two workers in this
-    order (``--dist loadfile --no-loadscope-reorder``), so the last files to run are
-    short ones that fill in beside a long one. pytest-xdist's own order, by how many
-    tests a file holds, put the files of a single long engine test last, where one
-    worker ran it alone while the other had nothing left."""
-    weight: dict[str, int] = {}
-    for item in items:
-        path = str(item.path)
-        weight[path] = min(weight.get(path, 2), _weight(item))
-    items.sort(key=lambda item: weight[str(item.path)])  # stable
