@@ -42,6 +42,21 @@ def _pairs(buf: HostBuffer, spans, algo: str, digested=lambda i: True):  # type:
         for i, (off, n) in enumerate(spans)]
 
 
+def _recorded_mapping(buf: HostBuffer) -> tuple[HostMapping, list[tuple[int, int]]]:
+    """A mapping of ``buf`` whose ``read_into`` calls (the Python path's reads) are
+    recorded as ``(offset, nbytes)``: the C loop reads without them."""
+    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
+    calls: list[tuple[int, int]] = []
+    read = mapping.read_into
+
+    def recording(seg: int, off: int, addr: int, nbytes: int) -> None:
+        calls.append((off, nbytes))
+        read(seg, off, addr, nbytes)
+
+    mapping.read_into = recording  # type: ignore[method-assign]
+    return mapping, calls
+
+
 def _copies(mapping: HostMapping, pairs, dst, chunk: int):  # type: ignore[no-untyped-def]
     """The pull's host copies: one run per tensor, cut into chunks of ``chunk`` bytes."""
     runs = []
@@ -287,15 +302,7 @@ def test_rows_land_as_their_runs_and_a_hashed_range_among_them_is_still_hashed(s
     from modelexpress.local.hostcopy import Rows
 
     buf, _ = _source([8 << 20], seed)
-    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
-    calls: list[tuple[int, int]] = []
-    read = mapping.read_into
-
-    def recording(seg: int, off: int, addr: int, nbytes: int) -> None:
-        calls.append((off, nbytes))
-        read(seg, off, addr, nbytes)
-
-    mapping.read_into = recording  # type: ignore[method-assign]
+    mapping, calls = _recorded_mapping(buf)
     try:
         src = buf.tensor(0, (8 << 20,), torch.uint8)
         n_rows, run, s_pitch, d_pitch = 700, 1000, 3000, 2500
@@ -344,15 +351,7 @@ def test_the_c_loop_reads_every_piece_without_python_and_a_failed_piece_raises_l
     other piece has landed."""
     from modelexpress.errors import BackendError
     buf, _ = _source([6 << 20], seed)
-    mapping = HostMapping([Segment("memfd", buf.addr, buf.nbytes, -1)], [os.dup(buf.fd)])
-    calls: list[tuple[int, int]] = []
-    read = mapping.read_into
-
-    def recording(seg: int, off: int, addr: int, nbytes: int) -> None:
-        calls.append((off, nbytes))
-        read(seg, off, addr, nbytes)
-
-    mapping.read_into = recording  # type: ignore[method-assign]
+    mapping, calls = _recorded_mapping(buf)
     try:
         dst = torch.zeros(6 << 20, dtype=torch.uint8)
         want = buf.tensor(0, (6 << 20,), torch.uint8)

@@ -96,7 +96,12 @@ def arena_for(world: World) -> Iterator:
 
 
 def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None,  # noqa: ANN001, ANN202
-          progress=None, covering_below: int | None = None):  # noqa: ANN001
+          progress=None, covering_below: int | None = None,  # noqa: ANN001
+          client_class=None, readers=None):  # noqa: ANN001
+    """Pull rank ``rank`` of ``tp`` and compare every byte with the checkpoint's slices.
+    ``client_class``: an MxClient subclass to talk through; ``readers(options)``: the
+    reader factory to pull with."""
+    from modelexpress.client import MxClient
     from modelexpress.local import LocalOptions
     from modelexpress.p2p import PullOptions
     from modelexpress.p2p.layout_pull import pull_across_layouts
@@ -116,10 +121,12 @@ def _pull(world: World, tp: int, rank: int, *, local: bool, arena=None,  # noqa:
     options = PullOptions(local=LocalOptions(ipc_dir=world.ipc if local else "off"),
                           worker_id=f"target-{tp}-{rank}-{local}-{arena is not None}",
                           stall_s=60.0, timeout_s=120.0)
-    with world.client() as client:
+    with (client_class or MxClient)(world.server.url, token=world.server.token,
+                                    timeout_s=30.0) as client:
         out = pull_across_layouts(syn.identity(tp, rank), target, dest, client=client,
                                   options=options, progress=progress,
-                                  covering_below=covering_below)
+                                  covering_below=covering_below,
+                                  readers=readers(options) if readers else None)
     expected = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in syn.specs(target)}
     syn.assemble(target, syn.checkpoint(), expected)
     for name, want in expected.items():
@@ -189,23 +196,14 @@ def test_the_final_report_and_the_finish_count_as_control_plane(world: World) ->
     import time
 
     from modelexpress.client import MxClient
-    from modelexpress.local import LocalOptions
-    from modelexpress.p2p import PullOptions
-    from modelexpress.p2p.layout_pull import pull_across_layouts
 
     class Client(MxClient):
         def finish_transfer(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
             time.sleep(0.3)
             return super().finish_transfer(*args, **kwargs)
 
-    target = syn.layout(1, 0)
-    dest = {name: torch.empty(shape, dtype=dtype, device=world.device)
-            for name, shape, dtype in syn.specs(target)}
-    options = PullOptions(local=LocalOptions(ipc_dir=world.ipc), worker_id="target-final",
-                          stall_s=60.0, timeout_s=120.0)
-    with Client(world.server.url, token=world.server.token, timeout_s=30.0) as client:
-        out = pull_across_layouts(syn.identity(1, 0), target, dest, client=client,
-                                  options=options)
+    out = _pull(world, 1, 0, local=True, client_class=Client)
+    with world.client() as client:
         assert client.get_transfer(out.result.transfer_id).state == "SUCCEEDED"
     assert set(out.result.source_ids) == {world.sources["r0"], world.sources["r1"]}
     phases = out.result.phases
@@ -222,9 +220,7 @@ def test_only_the_records_of_the_sources_a_rank_needs_are_fetched(world: World) 
     ranks, of which rank 0 holds all of TP=4 rank 1."""
     from modelexpress.client import MxClient
     from modelexpress.errors import PeerError
-    from modelexpress.local import LocalOptions
-    from modelexpress.p2p import PullOptions
-    from modelexpress.p2p.layout_pull import layout_readers, pull_across_layouts
+    from modelexpress.p2p.layout_pull import layout_readers
 
     fetched: list[str] = []
 
@@ -244,25 +240,13 @@ def test_only_the_records_of_the_sources_a_rank_needs_are_fetched(world: World) 
             raise AssertionError("a source that could not be opened was read")
 
     def pull(tp: int, rank: int, refused: str | None = None):  # noqa: ANN202
-        target = syn.layout(tp, rank)
-        dest = {name: torch.empty(shape, dtype=dtype, device=world.device)
-                for name, shape, dtype in syn.specs(target)}
-        options = PullOptions(local=LocalOptions(ipc_dir=world.ipc),
-                              worker_id=f"target-lazy-{tp}-{rank}", stall_s=60.0,
-                              timeout_s=120.0)
-        real = layout_readers(options, lambda: None, torch.device(world.device))
-        readers = (lambda source: Refuses(source.info.id) if source.info.id == refused
-                   else real(source))
+        def readers(options):  # noqa: ANN001, ANN202
+            real = layout_readers(options, lambda: None, torch.device(world.device))
+            return lambda source: (Refuses(source.info.id) if source.info.id == refused
+                                   else real(source))
+
         fetched.clear()
-        with Client(world.server.url, token=world.server.token, timeout_s=30.0) as client:
-            out = pull_across_layouts(syn.identity(tp, rank), target, dest, client=client,
-                                      options=options, readers=readers)
-        expected = {name: torch.empty(shape, dtype=dtype)
-                    for name, shape, dtype in syn.specs(target)}
-        syn.assemble(target, syn.checkpoint(), expected)
-        for name, want in expected.items():
-            assert torch.equal(dest[name].cpu(), want), name
-        return out
+        return _pull(world, tp, rank, local=True, client_class=Client, readers=readers)
 
     ids = world.sources
     out = pull(2, 1)
