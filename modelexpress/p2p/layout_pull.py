@@ -253,21 +253,22 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
         by_id = candidates.by_id  # grows as more records are fetched
         plan_s = 0.0
         for attempt in range(1, opts.max_attempts + 1):
-            t_plan = time.perf_counter()
             while True:
+                t_plan = time.perf_counter()
                 try:
                     plan = plan_layout(target, [(c.info.id, c.layout) for c in candidates.fetched
                                                 if c.info.id not in dropped])
                     break
                 except LayoutError as exc:
-                    t_more = time.perf_counter()
-                    more = candidates.more(dropped)  # the next whole layout, if any
-                    control_s += time.perf_counter() - t_more
-                    t_plan += time.perf_counter() - t_more
-                    if not more:
-                        raise NoSourceError(_message(
-                            identity, f"no plan covers this rank: {exc}", skipped)) from exc
-            plan_s += time.perf_counter() - t_plan
+                    no_plan = exc
+                finally:
+                    plan_s += time.perf_counter() - t_plan
+                t_more = time.perf_counter()
+                more = candidates.more(dropped)  # the next whole layout, if any
+                control_s += time.perf_counter() - t_more
+                if not more:
+                    raise NoSourceError(_message(identity, f"no plan covers this rank: {no_plan}",
+                                                 skipped)) from no_plan
             buffers = {**dest, **allocate_scratch(plan, device)}
             if before_writing is not None:
                 before_writing()
