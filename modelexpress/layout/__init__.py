@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from modelexpress.layout.model import (FORMAT, VERSION, BlockTable, Box, CheckpointTensor,
                                        Fill, Layout, LayoutError, Piece, block_box,
-                                       block_count, blocks_in, box_contains, box_intersect,
+                                       block_boxes, block_count, blocks_in, box_contains, box_intersect,
                                        box_volume, grid_units, squeeze_dims, translate)
 from modelexpress.layout.plan import (ITEMSIZE, Check, Copy, CoverageError, LayoutPlan,
                                       Scatter, Scratch, plan_layout)
@@ -17,6 +17,6 @@ from modelexpress.layout.plan import (ITEMSIZE, Check, Copy, CoverageError, Layo
 __all__ = [
     "FORMAT", "VERSION", "BlockTable", "Box", "CheckpointTensor", "Check", "Copy",
     "CoverageError", "Fill", "ITEMSIZE", "Layout", "LayoutError", "LayoutPlan", "Piece",
-    "Scatter", "Scratch", "block_box", "block_count", "blocks_in", "box_contains",
+    "Scatter", "Scratch", "block_box", "block_boxes", "block_count", "blocks_in", "box_contains",
     "box_intersect", "box_volume", "grid_units", "plan_layout", "squeeze_dims", "translate",
 ]

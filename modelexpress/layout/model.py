@@ -46,6 +46,8 @@ This module imports neither torch nor numpy.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -54,8 +56,9 @@ from typing import Any
 from modelexpress.errors import LayoutError
 
 __all__ = ["FORMAT", "VERSION", "Box", "BlockTable", "CheckpointTensor", "Fill", "Layout",
-           "LayoutError", "Piece", "block_box", "block_count", "blocks_in", "box_contains",
-           "box_intersect", "box_volume", "grid_units", "squeeze_dims", "translate"]
+           "LayoutError", "Piece", "block_box", "block_boxes", "block_count", "blocks_in",
+           "box_contains", "box_intersect", "box_volume", "grid_units", "squeeze_dims",
+           "translate"]
 
 FORMAT = "modelexpress.layout"
 VERSION = 1
@@ -103,17 +106,30 @@ def translate(sub: Box, frm: Box, to: Box) -> Box:
     Raises:
         LayoutError: the two boxes do not correspond (a bug in whoever paired them).
     """
+    pairs, fixed, base = _pairing(frm, to)
+    for df in fixed:
+        if sub[df] != frm[df]:
+            raise LayoutError(f"box {sub} is not inside {frm}")
+    out = list(base)
+    for df, dt, shift in pairs:
+        start, size = sub[df]
+        out[dt] = (start + shift, size)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pairing(frm: Box, to: Box) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...],
+                                         tuple[tuple[int, int], ...]]:
+    """What :func:`translate` needs of one pair of boxes, worked out once per pair (a
+    plan translates every block of a piece through the same pair): the corresponding
+    dimensions ``(from, to, start shift)``, the dimensions of ``frm`` of size 1, and the
+    result's dimensions of size 1."""
     dims_from, dims_to = squeeze_dims(frm), squeeze_dims(to)
     if [frm[d][1] for d in dims_from] != [to[d][1] for d in dims_to]:
         raise LayoutError(f"boxes {frm} and {to} do not hold the same elements")
-    out = [(start, 1) for start, _ in to]
-    for df, dt in zip(dims_from, dims_to):
-        start, size = sub[df]
-        out[dt] = (to[dt][0] + start - frm[df][0], size)
-    for df in range(len(frm)):
-        if df not in dims_from and sub[df] != frm[df]:
-            raise LayoutError(f"box {sub} is not inside {frm}")
-    return tuple(out)
+    pairs = tuple((df, dt, to[dt][0] - frm[df][0]) for df, dt in zip(dims_from, dims_to))
+    fixed = tuple(d for d in range(len(frm)) if d not in dims_from)
+    return pairs, fixed, tuple((start, 1) for start, _ in to)
 
 
 # --- the block grid ------------------------------------------------------------------
@@ -173,6 +189,27 @@ def blocks_in(box: Box, shape: Sequence[int], units: Sequence[int]) -> Iterator[
         yield 0
         return
     yield from walk(0, 0)
+
+
+def block_boxes(box: Box, shape: Sequence[int], units: Sequence[int]
+                ) -> Iterator[tuple[int, Box]]:
+    """``(index, block box)`` of the blocks that ``box`` touches, in row-major order:
+    :func:`blocks_in` and :func:`block_box` together, the grid worked out once."""
+    if not box:
+        yield 0, ()
+        return
+    counts = block_count(shape, units)
+    axes = []
+    for (start, size), u, n in zip(box, units, shape, strict=True):
+        if size <= 0:
+            return
+        axes.append([(c, (c * u, min(u, n - c * u)))
+                     for c in range(start // u, (start + size - 1) // u + 1)])
+    for combo in itertools.product(*axes):
+        index = 0
+        for (c, _), n in zip(combo, counts):
+            index = index * n + c
+        yield index, tuple(b for _, b in combo)
 
 
 # --- records -------------------------------------------------------------------------

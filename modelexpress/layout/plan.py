@@ -31,8 +31,7 @@ from collections.abc import Mapping, Sequence
 
 from modelexpress.errors import CoverageError
 from modelexpress.layout.model import (BlockTable, Box, Fill, Layout, LayoutError, Piece,
-                                       block_box,
-                                       blocks_in, box_contains, box_intersect, box_volume,
+                                       block_boxes, box_contains, box_intersect, box_volume,
                                        translate)
 
 __all__ = ["Check", "Copy", "CoverageError", "LayoutPlan", "Scatter", "Scratch", "ITEMSIZE",
@@ -196,8 +195,7 @@ def plan_layout(target: Layout, sources: Sequence[tuple[str, Layout]]) -> Layout
                                 f"{piece.ckpt!r} (needed by {piece.tensor})")
         shape = ckpt_shape[piece.ckpt]
         dtype = target.tensors[piece.tensor][1]
-        for b in blocks_in(piece.src, shape, grid):
-            block = block_box(b, shape, grid)
+        for b, block in block_boxes(piece.src, shape, grid):
             if box_contains(piece.src, block):
                 where = translate(block, piece.src, piece.dst)
                 if (piece.ckpt, b) in direct:
@@ -214,7 +212,7 @@ def plan_layout(target: Layout, sources: Sequence[tuple[str, Layout]]) -> Layout
                     units.append(_Unit(piece.ckpt, b, block, key,
                                        tuple((0, n) for _, n in block), -1))
                 part = box_intersect(block, piece.src)
-                assert part is not None  # blocks_in yields blocks the piece touches
+                assert part is not None  # block_boxes yields blocks the piece touches
                 scatters.append(Scatter(key, translate(part, block, tuple((0, n) for _, n in block)),
                                         piece.tensor, translate(part, piece.src, piece.dst)))
 
@@ -232,6 +230,7 @@ def plan_layout(target: Layout, sources: Sequence[tuple[str, Layout]]) -> Layout
                             tuple(dict.fromkeys(k for k, _, _ in taken))))
 
     layouts = dict(usable)
+    scratch_region = {u.dst: u.region for u in units if u.target_piece < 0}
     copies: list[Copy] = []
     read = 0
     for (key, qi, dst, tpi, scratch_box), regions in parts.items():
@@ -242,7 +241,7 @@ def plan_layout(target: Layout, sources: Sequence[tuple[str, Layout]]) -> Layout
                 tp = target.pieces[tpi]
                 dst_box = translate(region, tp.src, tp.dst)
             else:
-                unit_region = _unit_region(units, dst)
+                unit_region = scratch_region[dst]
                 dst_box = translate(region, unit_region, tuple((0, n) for _, n in unit_region))
             nbytes = box_volume(region) * itemsize
             read += nbytes
@@ -259,13 +258,6 @@ def plan_layout(target: Layout, sources: Sequence[tuple[str, Layout]]) -> Layout
                       needed_bytes=needed, read_bytes=read, sources=used,
                       units={p.ckpt: units_of[p.ckpt] for p in target.pieces},
                       dtypes={p.ckpt: target.tensors[p.tensor][1] for p in target.pieces})
-
-
-def _unit_region(units: Sequence[_Unit], scratch_key: str) -> Box:
-    for u in units:
-        if u.dst == scratch_key:
-            return u.region
-    raise AssertionError(scratch_key)
 
 
 def _usable(target: Layout, sources: Sequence[tuple[str, Layout]]) -> list[tuple[str, Layout]]:
@@ -317,6 +309,7 @@ def _assign(unit: _Unit, usable: Sequence[tuple[str, Layout]],
     vouch for. One source if any covers the unit alone, else several."""
     grid = None
     candidates = []
+    region = unit.region
     for key, layout in usable:
         assert layout.blocks is not None
         units = layout.blocks.units.get(unit.ckpt)
@@ -325,9 +318,13 @@ def _assign(unit: _Unit, usable: Sequence[tuple[str, Layout]],
         digest = layout.blocks.digest(unit.ckpt, unit.block)
         if units != grid or digest is None:
             continue  # no digest of this block from it: it cannot be checked
-        parts = _cover(unit.region, by_ckpt[key].get(unit.ckpt, ()))
+        pieces = by_ckpt[key].get(unit.ckpt, ())
+        whole = next((q for q in pieces if box_contains(q.src, region)), None)
+        if whole is not None:  # one piece holds it all (the usual case)
+            return [(key, whole, region)], digest
+        parts = _cover(region, pieces)
         candidates.append((key, digest, parts))
-        if sum(box_volume(r) for _, r in parts) == box_volume(unit.region):
+        if sum(box_volume(r) for _, r in parts) == box_volume(region):
             return [(key, q, r) for q, r in parts], digest
     # Several sources together: greedy, regions disjoint, one digest.
     taken: list[tuple[str, Piece, Box]] = []

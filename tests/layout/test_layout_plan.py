@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from modelexpress.layout import (BlockTable, CheckpointTensor, CoverageError, Fill, Layout,
-                                 LayoutError, Piece, block_box, blocks_in, box_volume,
-                                 grid_units, plan_layout, translate)
+                                 LayoutError, Piece, block_box, block_boxes, blocks_in,
+                                 box_volume, grid_units, plan_layout, translate)
 
 H, KV, I, V = 64, 16, 128, 100  # hidden, one KV head of 16, intermediate, a vocab of 100
 CKPT = (CheckpointTensor("q", (H, H), "float32"), CheckpointTensor("k", (KV, H), "float32"),
@@ -106,10 +106,26 @@ def test_block_boxes_tile_the_tensor() -> None:
     assert boxes[-1] == ((96, 4), (56, 8))  # the last block is clipped
 
 
+def test_block_boxes_are_blocks_in_with_their_boxes() -> None:
+    shape, units = (100, 3, 64), grid_units((100, 3, 64), {0, 2})
+    for box in (((0, 100), (0, 3), (0, 64)), ((13, 50), (1, 1), (9, 30)),
+                ((99, 1), (2, 1), (63, 1)), ((0, 0), (0, 3), (0, 64))):
+        assert list(block_boxes(box, shape, units)) == \
+            [(i, block_box(i, shape, units)) for i in blocks_in(box, shape, units)]
+
+
 def test_translate_maps_a_sub_box_through_a_piece() -> None:
     # rows 8..16 of checkpoint k land at rows 40..48 of qkv
     assert translate(((8, 8), (0, 64)), ((0, 16), (0, 64)), ((32, 16), (0, 64))) == \
         ((40, 8), (0, 64))
+    # row 3 of a 2-d checkpoint tensor is a 1-d tensor's elements 128..192
+    row = (((3, 1), (0, 64)), ((128, 64),))
+    assert translate(((3, 1), (16, 8)), *row) == ((144, 8),)
+    for _ in range(2):  # the second time from the pairing worked out the first time
+        with pytest.raises(LayoutError, match="is not inside"):
+            translate(((4, 1), (16, 8)), *row)
+        with pytest.raises(LayoutError, match="same elements"):
+            translate(((0, 1), (0, 8)), ((0, 2), (0, 64)), ((0, 64),))
 
 
 def test_tp2_to_tp1_reads_each_rank_once_and_whole() -> None:
