@@ -31,7 +31,9 @@ median over rounds (``each_round``: every timed round's), and ``ratio_across_vs_
 ``--synthetic DEVICE`` (``cpu`` or ``cuda:N``) runs the same comparison without vLLM, on
 the hand-written layouts of ``tests/p2p/synthetic_layout.py`` (a merged qkv, row-parallel
 ``o`` and ``down``, a padded vocabulary, a replicated norm; float32) at ``--dims``
-(default Llama-3-8B's widths with a 32000 vocabulary, one layer: 0.93 GB at TP=1):
+(default Llama-3-8B's widths with a 32000 vocabulary) and ``--layers`` (default one:
+0.93 GB at TP=1; ``--dims 4096,1024,14336,128256 --layers 32``, 15.0 GB, is a real 8B
+model's size in 193 checkpoint tensors, 129 tensors a rank):
 three source processes (``synthetic_source.py``: TP=1 and both TP=2 ranks, each in one
 allocation on DEVICE, block digests hashed there) and this process as the target,
 its destination on DEVICE. Cases ``{local,nixl}_same``, ``{local,nixl}_across``
@@ -53,7 +55,7 @@ at TP 1, 2, 4, 8 and plans every target rank from every other layout: derivation
 planning time, layout JSON size, bytes read against bytes needed.
 
 Usage: python bench/layout.py [--rounds N] [--hidden H --layers L] | --plan-only
-       | --synthetic DEVICE [--dims H,KV,INTER,VOCAB] [--rounds N]
+       | --synthetic DEVICE [--dims H,KV,INTER,VOCAB] [--layers L] [--rounds N]
 Prints progress lines, then ONE JSON object on the last line.
 """
 
@@ -254,7 +256,8 @@ def _check(dest: dict, reference: dict) -> None:
 
 def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     """``--synthetic DEVICE``: the module docstring's comparison on hand-written layouts."""
-    os.environ["LAYOUT_SYNTHETIC_DIMS"] = args.dims  # before the import: it sizes them
+    os.environ["LAYOUT_SYNTHETIC_DIMS"] = args.dims  # before the import: they size them
+    os.environ["LAYOUT_SYNTHETIC_LAYERS"] = str(args.layers)
     import torch
     import synthetic_layout as syn
     from layout_world import layout_sources
@@ -274,8 +277,9 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     commands = {name: ["synthetic_source", str(tp), str(rank), str(device), f"bench-{name}"]
                 for name, tp, rank in (("r0", 2, 0), ("r1", 2, 1), ("whole", 1, 0))}
     ckpt = syn.checkpoint()
-    nbytes = sum(t.numel() * t.element_size() for t in ckpt.values())
-    _log(f"synthetic checkpoint {args.dims} ({nbytes / 1e9:.2f} GB float32) on {device}")
+    nbytes = syn.checkpoint_bytes()
+    _log(f"synthetic checkpoint {args.dims}, {args.layers} layer(s) ({nbytes / 1e9:.2f} GB "
+         f"float32) on {device}")
     rows: dict[str, list[dict[str, float]]] = {}
     try:
         with layout_sources(work, commands, pythonpath=str(ROOT / "tests" / "p2p"),
@@ -359,10 +363,12 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     out = {"bench": "layout-synthetic", "device": str(device), "gpu": gpu,
-           "dims": args.dims, "checkpoint_bytes": nbytes, "rounds": args.rounds,
+           "dims": args.dims, "layers": args.layers, "checkpoint_bytes": nbytes,
+           "rounds": args.rounds,
            **_summary(rows), "readers_last_round": details}
     if device.type == "cuda":
-        out["row_copies"] = row_copies(device, syn.SHAPES, args.rounds)
+        out["row_copies"] = row_copies(
+            device, {n: syn.SHAPES[syn.layer_name(0, n)] for n in ("o", "down")}, args.rounds)
     return out
 
 
@@ -480,7 +486,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int,
+                        help="layers of the checkpoint (default 8; --synthetic: 1)")
     parser.add_argument("--workdir")
     parser.add_argument("--only", help="comma-separated cases (default: all)")
     parser.add_argument("--plan-only", action="store_true")
@@ -489,6 +496,8 @@ def main() -> None:
     parser.add_argument("--dims", default="4096,1024,14336,32000",
                         help="--synthetic's H,KV,INTER,VOCAB")
     args = parser.parse_args()
+    if args.layers is None:
+        args.layers = 1 if args.synthetic else 8
     out = (plan_only() if args.plan_only else
            run_synthetic(args) if args.synthetic else run(args))
     print(json.dumps(out))

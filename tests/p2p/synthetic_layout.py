@@ -13,7 +13,9 @@ a seed, so a source process and the test build the same bytes.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -38,10 +40,42 @@ def _dims() -> tuple[int, int, int, int]:
     return h, kv, inter, vocab
 
 
+def _layers() -> int:
+    """Layers: one, or ``LAYOUT_SYNTHETIC_LAYERS`` (``bench/layout.py --layers``), each
+    with its own qkv, o, down and norm."""
+    layers = int(os.environ.get("LAYOUT_SYNTHETIC_LAYERS", "1"))
+    if layers < 1:
+        raise ValueError(f"LAYOUT_SYNTHETIC_LAYERS={layers}: at least one layer")
+    return layers
+
+
 H, KV, INTER, VOCAB = _dims()
-SLICED = {"q": {0}, "k": {0}, "v": {0}, "o": {1}, "down": {1}, "embed": {0}}
-SHAPES = {"q": (H, H), "k": (KV, H), "v": (KV, H), "o": (H, H), "down": (H, INTER),
-          "embed": (VOCAB, H), "norm": (H,)}
+LAYERS = _layers()
+_LAYER = {"q": ((H, H), {0}), "k": ((KV, H), {0}), "v": ((KV, H), {0}), "o": ((H, H), {1}),
+          "down": ((H, INTER), {1})}
+
+
+def _prefix(layer: int) -> str:
+    return "" if LAYERS == 1 else f"l{layer}."
+
+
+def layer_name(layer: int, name: str) -> str:
+    """The checkpoint's (and the loaded form's) name of ``name`` in layer ``layer``."""
+    return _prefix(layer) + name
+
+
+def _checkpoint_shapes() -> dict[str, tuple[tuple[int, ...], set[int]]]:
+    out = {}
+    for layer in range(LAYERS):
+        out.update({_prefix(layer) + n: v for n, v in _LAYER.items()})
+        if layer == 0:
+            out["embed"] = ((VOCAB, H), {0})
+        out[_prefix(layer) + "norm"] = ((H,), set())
+    return out
+
+
+SHAPES = {name: shape for name, (shape, _) in _checkpoint_shapes().items()}
+SLICED = {name: sliced for name, (_, sliced) in _checkpoint_shapes().items() if sliced}
 
 
 def identity(tp: int, rank: int, dtype: str = "float32") -> ModelIdentity:
@@ -49,11 +83,35 @@ def identity(tp: int, rank: int, dtype: str = "float32") -> ModelIdentity:
                          extra=(("test", "synthetic"),))
 
 
-def checkpoint(dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, on the CPU (the same bytes in every process)."""
-    gen = torch.Generator().manual_seed(1234)
-    return {name: torch.randn(shape, generator=gen).to(getattr(torch, dtype))
-            for name, shape in SHAPES.items()}
+class Checkpoint(Mapping[str, torch.Tensor]):
+    """The checkpoint's tensors, on the CPU (the same bytes in every process), each made
+    from a seed of its own when it is looked up: at the bench's sizes (``--layers``)
+    the whole checkpoint is not held anywhere at once."""
+
+    def __init__(self, dtype: str = "float32") -> None:
+        self._dtype = getattr(torch, dtype)
+        self._seeds = {name: 1234 + i for i, name in enumerate(SHAPES)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self._seeds[name])
+        return torch.randn(SHAPES[name], generator=gen).to(self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SHAPES)
+
+    def __len__(self) -> int:
+        return len(SHAPES)
+
+
+def checkpoint(dtype: str = "float32") -> Checkpoint:
+    """The checkpoint (:class:`Checkpoint`)."""
+    return Checkpoint(dtype)
+
+
+def checkpoint_bytes(dtype: str = "float32") -> int:
+    """The checkpoint's size."""
+    return sum(math.prod(s) for s in SHAPES.values()) * torch.empty((), dtype=getattr(
+        torch, dtype)).element_size()
 
 
 def _rows(start: int, n: int, width: int) -> tuple[tuple[int, int], ...]:
@@ -66,27 +124,34 @@ def layout(tp: int, rank: int, dtype: str = "float32") -> Layout:
     per_vocab = -(-VOCAB // 64) * 64 // tp  # padded to 64, then split
     v0 = rank * per_vocab
     v_held = max(min(per_vocab, VOCAB - v0), 0)
-    pieces = (
-        Piece("qkv", _rows(0, q, H), "q", _rows(rank * q, q, H)),
-        Piece("qkv", _rows(q, KV, H), "k", _rows(0, KV, H)),
-        Piece("qkv", _rows(q + KV, KV, H), "v", _rows(0, KV, H)),
-        Piece("o", ((0, H), (0, H // tp)), "o", ((0, H), (rank * H // tp, H // tp))),
-        Piece("down", ((0, H), (0, INTER // tp)), "down",
-              ((0, H), (rank * INTER // tp, INTER // tp))),
-        Piece("embed", _rows(0, v_held, H), "embed", _rows(v0, v_held, H)),
-        Piece("norm", ((0, H),), "norm", ((0, H),)),
-    )
+    pieces: list[Piece] = []
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    for layer in range(LAYERS):
+        at = _prefix(layer)
+        pieces += [
+            Piece(at + "qkv", _rows(0, q, H), at + "q", _rows(rank * q, q, H)),
+            Piece(at + "qkv", _rows(q, KV, H), at + "k", _rows(0, KV, H)),
+            Piece(at + "qkv", _rows(q + KV, KV, H), at + "v", _rows(0, KV, H)),
+            Piece(at + "o", ((0, H), (0, H // tp)), at + "o",
+                  ((0, H), (rank * H // tp, H // tp))),
+            Piece(at + "down", ((0, H), (0, INTER // tp)), at + "down",
+                  ((0, H), (rank * INTER // tp, INTER // tp))),
+        ]
+        tensors.update({at + "qkv": ((q + 2 * KV, H), dtype), at + "o": ((H, H // tp), dtype),
+                        at + "down": ((H, INTER // tp), dtype)})
+        if layer == 0:
+            pieces.append(Piece("embed", _rows(0, v_held, H), "embed", _rows(v0, v_held, H)))
+            tensors["embed"] = ((per_vocab, H), dtype)
+        pieces.append(Piece(at + "norm", ((0, H),), at + "norm", ((0, H),)))
+        tensors[at + "norm"] = ((H,), dtype)
     fills = ((Fill("embed", _rows(v_held, per_vocab - v_held, H), 0.0),)
              if v_held < per_vocab else ())
-    tensors = {"qkv": ((q + 2 * KV, H), dtype), "o": ((H, H // tp), dtype),
-               "down": ((H, INTER // tp), dtype), "embed": ((per_vocab, H), dtype),
-               "norm": ((H,), dtype)}
     ckpt = tuple(CheckpointTensor(name, shape, dtype) for name, shape in SHAPES.items())
-    return Layout(checkpoint=ckpt, tensors=tensors, pieces=pieces, fills=fills,
+    return Layout(checkpoint=ckpt, tensors=tensors, pieces=tuple(pieces), fills=fills,
                   tp_size=tp, rank=rank)
 
 
-def with_blocks(lay: Layout, ckpt: dict[str, torch.Tensor], device: str) -> Layout:
+def with_blocks(lay: Layout, ckpt: Mapping[str, torch.Tensor], device: str) -> Layout:
     """``lay`` with the digests of the checkpoint blocks it touches, hashed on ``device``
     as a source hashes them (``wsum-i32-v1`` on a GPU, ``xxh3-128-b1m`` on the CPU)."""
     algorithm = _digest.WSUM if device.startswith("cuda") else _digest.XXH3_BLOCKS_1M
@@ -103,7 +168,8 @@ def with_blocks(lay: Layout, ckpt: dict[str, torch.Tensor], device: str) -> Layo
     return lay.with_blocks(BlockTable(algorithm, units, dtypes, digests))
 
 
-def assemble(lay: Layout, ckpt: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+def assemble(lay: Layout, ckpt: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor]
+             ) -> None:
     """Write ``lay``'s pieces and fills of ``ckpt`` into ``out`` (its tensors, any device):
     the rank's loaded form."""
     for p in lay.pieces:
