@@ -88,8 +88,12 @@ def box_intersect(a: Box, b: Box) -> Box | None:
 
 def box_contains(outer: Box, inner: Box) -> bool:
     """Whether ``inner`` lies inside ``outer``."""
-    return all(so <= si and si + ni <= so + no
-               for (so, no), (si, ni) in zip(outer, inner, strict=True))
+    if len(outer) != len(inner):
+        raise ValueError(f"boxes of {len(outer)} and {len(inner)} dimensions")
+    for (so, no), (si, ni) in zip(outer, inner):  # a loop: planning calls this per block
+        if si < so or si + ni > so + no:
+            return False
+    return True
 
 
 def squeeze_dims(box: Box) -> list[int]:

@@ -373,10 +373,14 @@ def _merge(boxes: list[Box]) -> list[Box]:
 
 
 def _join(a: Box, b: Box) -> Box | None:
-    diff = [d for d, (x, y) in enumerate(zip(a, b)) if x != y]
-    if len(diff) != 1:
+    d = -1
+    for dim in range(len(a)):  # the one dimension they differ in
+        if a[dim] != b[dim]:
+            if d >= 0:
+                return None
+            d = dim
+    if d < 0:
         return None
-    d = diff[0]
     (sa, na), (sb, nb) = a[d], b[d]
     if sa + na != sb:
         return None
