@@ -597,9 +597,48 @@ def check_blocks(checks: Sequence[Check], buffers: Mapping[str, "torch.Tensor"],
 
     if not checks:
         return []
-    views = [box_view(buffers[c.where], c.box) for c in checks]
-    got = _digest.digest_many(views, algorithm)
+    got = _digest.digest_many(block_views(checks, buffers), algorithm)
     return [c for c, value in zip(checks, got) if value != c.digest]
+
+
+def block_views(checks: Sequence[Check], buffers: Mapping[str, "torch.Tensor"]
+                ) -> list["torch.Tensor"]:
+    """Each check's block where it lies, as a tensor in the block's logical order.
+
+    A block that is not contiguous where it lies (a column strip of a row-parallel
+    weight) must be copied to be hashed. Strips of one tensor side by side along one
+    dimension, of one width, are copied together: one copy that puts the strips one
+    after the other, each then a contiguous slice of it, instead of one copy (a kernel
+    launch on a GPU) per strip. The digests are the same.
+    """
+    views: list[Any] = [None] * len(checks)
+    strips: dict[tuple, list[int]] = {}  # (where, dim, other dims' boxes, width) -> checks
+    for i, c in enumerate(checks):
+        tensor = buffers[c.where]
+        views[i] = view = box_view(tensor, c.box)
+        if view.is_contiguous():
+            continue
+        # the last dimension the box does not span whole (a box spanning all is contiguous)
+        d = max((dim for dim, ((start, size), n) in enumerate(zip(c.box, tensor.shape))
+                 if start or size != n), default=None)
+        if d is None:  # a tensor that is not contiguous itself: hashed as it is
+            continue
+        strips.setdefault((c.where, d, c.box[:d], c.box[d + 1:], c.box[d][1]), []).append(i)
+    for (where, d, before, after, width), idx in strips.items():
+        idx.sort(key=lambda i: checks[i].box[d][0])
+        chain: list[int] = []
+        for i in idx + [-1]:
+            if i >= 0 and chain and checks[i].box[d][0] == checks[chain[-1]].box[d][0] + width:
+                chain.append(i)
+                continue
+            if len(chain) > 1:
+                union = before + ((checks[chain[0]].box[d][0], len(chain) * width),) + after
+                side_by_side = box_view(buffers[where], union).unflatten(
+                    d, (len(chain), width)).movedim(d, 0).contiguous()
+                for j, k in enumerate(chain):
+                    views[k] = side_by_side[j]
+            chain = [i]
+    return views
 
 
 def finish(plan: LayoutPlan, buffers: Mapping[str, "torch.Tensor"]) -> None:

@@ -76,6 +76,35 @@ def test_check_names_the_block_that_does_not_hash_to_its_digest_then_finish_fill
     assert torch.equal(dest["t"][8], src["w"][0]) and bool((dest["t"][9] == 0.5).all())
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3-128", "wsum-i32-v1"])
+def test_column_strips_side_by_side_are_copied_together_and_hash_as_each_alone(
+        algorithm: str) -> None:
+    from modelexpress.layout.readers import block_views
+    from modelexpress.transfer import digest as _digest
+
+    gen = torch.Generator().manual_seed(3)
+    dest = {"o": torch.randn(6, 32, generator=gen), "x": torch.randn(2, 5, 12, generator=gen)}
+    boxes = [("o", ((0, 6), (8, 8))), ("o", ((0, 6), (0, 8))), ("o", ((0, 6), (16, 8))),
+             ("o", ((0, 6), (28, 4))),     # another width: alone
+             ("o", ((2, 2), (0, 32))),     # whole rows: contiguous, not copied
+             ("x", ((0, 2), (1, 2), (0, 4))), ("x", ((0, 2), (1, 2), (4, 4))),
+             ("x", ((0, 2), (3, 2), (0, 4)))]  # other rows of x: alone
+    checks = [Check("ckpt", i, _digest.digest(box_view(dest[w], box).contiguous(), algorithm),
+                    w, box, ("s",)) for i, (w, box) in enumerate(boxes)]
+    views = block_views(checks, dest)
+    for i, (c, v) in enumerate(zip(checks, views)):
+        assert torch.equal(v, box_view(dest[c.where], c.box))
+        assert v.is_contiguous() == (i not in (3, 7))  # a strip alone stays a view
+    # the three strips of o of width 8 are slices of one copy, as are x's first two
+    assert len({views[i].untyped_storage().data_ptr() for i in (0, 1, 2)}) == 1
+    assert views[0].untyped_storage().data_ptr() != dest["o"].untyped_storage().data_ptr()
+    assert views[5].untyped_storage().data_ptr() == views[6].untyped_storage().data_ptr()
+    assert views[4].data_ptr() == dest["o"][2].data_ptr()  # rows: the tensor itself
+    assert check_blocks(checks, dest, algorithm) == []
+    dest["o"][0, 17] += 1  # in the third strip (and in no other block)
+    assert [c.block for c in check_blocks(checks, dest, algorithm)] == [2]
+
+
 def test_a_destination_outside_host_and_cuda_memory_is_refused_before_the_control_plane(
         ) -> None:
     """Host memory and CUDA GPUs are filled (``device_refusal``); any other device makes
