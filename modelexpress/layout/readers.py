@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from modelexpress._gc import paused as gc_paused
 from modelexpress.errors import (ManifestMismatchError, PeerError, TransferCancelledError,
                                  TransferTimeoutError)
 from modelexpress.layout.model import Box
@@ -301,8 +302,9 @@ class LocalLayoutReader:
         connect_s = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
-            runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below,
-                            pitched=self.device is not None)
+            with gc_paused():
+                runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below,
+                                pitched=self.device is not None)
             planned_s = time.perf_counter() - t1
             timed = ""
             scratch = (torch.empty(runs.scratch_bytes, dtype=torch.uint8, device=runs.device)
@@ -517,7 +519,8 @@ class NixlLayoutReader:
 
         from modelexpress.layout.spans import coalesce_runs
 
-        runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below)
+        with gc_paused():
+            runs = _runs_of(copies, self.manifest.by_name(), buffers, self.covering_below)
         scratch = (torch.empty(runs.scratch_bytes, dtype=torch.uint8, device=runs.device)
                    if runs.covering else None)
         local, remote = [], []
@@ -597,7 +600,9 @@ def check_blocks(checks: Sequence[Check], buffers: Mapping[str, "torch.Tensor"],
 
     if not checks:
         return []
-    got = _digest.digest_many(block_views(checks, buffers), algorithm)
+    with gc_paused():
+        views = block_views(checks, buffers)
+    got = _digest.digest_many(views, algorithm)
     return [c for c, value in zip(checks, got) if value != c.digest]
 
 

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from modelexpress._gc import paused as gc_paused
 from modelexpress.errors import (ConflictError, ControlPlaneError, LayoutError,
                                  LayoutUnavailableError, MxError, NoSourceError, TransferCancelledError, TransferError,
                                  TransferTimeoutError)
@@ -242,7 +243,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
     try:
         t0 = time.perf_counter()
         candidates = _Candidates(client, record.candidates, identity, skipped)
-        candidates.more()
+        with gc_paused():  # parsing the records: many small objects, no cycles
+            candidates.more()
         control_s += time.perf_counter() - t0
         if not candidates.fetched:
             raise _nothing_to_try(_message(identity, "no READY source of another layout "
@@ -256,15 +258,18 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
             while True:
                 t_plan = time.perf_counter()
                 try:
-                    plan = plan_layout(target, [(c.info.id, c.layout) for c in candidates.fetched
-                                                if c.info.id not in dropped])
+                    with gc_paused():
+                        plan = plan_layout(target, [(c.info.id, c.layout)
+                                                    for c in candidates.fetched
+                                                    if c.info.id not in dropped])
                     break
                 except LayoutError as exc:
                     no_plan = exc
                 finally:
                     plan_s += time.perf_counter() - t_plan
                 t_more = time.perf_counter()
-                more = candidates.more(dropped)  # the next whole layout, if any
+                with gc_paused():
+                    more = candidates.more(dropped)  # the next whole layout, if any
                 control_s += time.perf_counter() - t_more
                 if not more:
                     raise NoSourceError(_message(identity, f"no plan covers this rank: {no_plan}",
