@@ -200,7 +200,7 @@ def _runs_of(copies: Sequence[Copy], entries: Mapping[str, "TensorEntry"],
     runs equally spaced on both sides is one pitched copy instead, whatever its run."""
     import numpy as np
 
-    from modelexpress.layout.spans import covering_span, pair_runs
+    from modelexpress.layout.spans import covering_span, pair_runs, pitched_runs
 
     out = _Runs([], [], 0, None)
     for c in copies:
@@ -208,16 +208,16 @@ def _runs_of(copies: Sequence[Copy], entries: Mapping[str, "TensorEntry"],
         out.device = dst.device
         entry = _entry(entries, c, dst.dtype)
         itemsize = dst.element_size()
-        s_off, d_off, run = pair_runs(c.src_box, entry.shape, c.dst_box, dst.shape, itemsize)
-        if (pitched and len(s_off) > 1 and dst.device.type == "cuda"
+        if (pitched and dst.device.type == "cuda"
                 and entry.device != "cpu"):  # GPU to GPU: what the GPU tests cover
-            s_pitch, d_pitch = int(s_off[1] - s_off[0]), int(d_off[1] - d_off[0])
-            if (run <= min(s_pitch, d_pitch) and max(s_pitch, d_pitch) <= _MAX_PITCH
-                    and bool(np.all(np.diff(s_off) == s_pitch))
-                    and bool(np.all(np.diff(d_off) == d_pitch))):
-                out.pitched.append((c, entry, int(s_off[0]), dst.data_ptr() + int(d_off[0]),
-                                    s_pitch, d_pitch, run, len(s_off)))
-                continue
+            rows = pitched_runs(c.src_box, entry.shape, c.dst_box, dst.shape, itemsize)
+            if rows is not None:
+                s0, d0, s_pitch, d_pitch, run, n = rows
+                if n > 1 and run <= min(s_pitch, d_pitch) and max(s_pitch, d_pitch) <= _MAX_PITCH:
+                    out.pitched.append((c, entry, s0, dst.data_ptr() + d0, s_pitch, d_pitch,
+                                        run, n))
+                    continue
+        s_off, d_off, run = pair_runs(c.src_box, entry.shape, c.dst_box, dst.shape, itemsize)
         if len(s_off) > 1 and run < covering_below:
             off, n = covering_span(c.src_box, entry.shape, itemsize)
             out.covering.append((c, entry, off, n, out.scratch_bytes))

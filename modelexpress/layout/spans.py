@@ -24,7 +24,7 @@ import numpy as np
 
 from modelexpress.layout.model import Box, squeeze_dims
 
-__all__ = ["contiguous_strides", "pair_runs", "covering_span", "coalesce_runs"]
+__all__ = ["contiguous_strides", "pair_runs", "pitched_runs", "covering_span", "coalesce_runs"]
 
 
 def contiguous_strides(shape: Sequence[int]) -> list[int]:
@@ -37,6 +37,25 @@ def contiguous_strides(shape: Sequence[int]) -> list[int]:
 
 def _offset(box: Box, strides: Sequence[int]) -> int:
     return sum(start * s for (start, _), s in zip(box, strides))
+
+
+def _run_grid(src_box: Box, src_shape: Sequence[int], dst_box: Box, dst_shape: Sequence[int]
+              ) -> tuple[int, int, list[int], list[int], list[int], int]:
+    """``(src start, dst start, outer sizes, their src strides, their dst strides, run)``
+    of a box copy, in elements: the runs are the innermost dimensions contiguous on both
+    sides; the outer dimensions index them."""
+    sd, dd = squeeze_dims(src_box), squeeze_dims(dst_box)
+    sizes = [src_box[d][1] for d in sd]
+    if sizes != [dst_box[d][1] for d in dd]:
+        raise ValueError(f"boxes {src_box} and {dst_box} do not hold the same elements")
+    s_all, d_all = contiguous_strides(src_shape), contiguous_strides(dst_shape)
+    s_str, d_str = [s_all[d] for d in sd], [d_all[d] for d in dd]
+    s0, d0 = _offset(src_box, s_all), _offset(dst_box, d_all)
+    run, k = 1, len(sizes) - 1
+    while k >= 0 and s_str[k] == run and d_str[k] == run:
+        run *= sizes[k]
+        k -= 1
+    return s0, d0, sizes[:k + 1], s_str[:k + 1], d_str[:k + 1], run
 
 
 def pair_runs(src_box: Box, src_shape: Sequence[int], dst_box: Box, dst_shape: Sequence[int],
@@ -53,25 +72,32 @@ def pair_runs(src_box: Box, src_shape: Sequence[int], dst_box: Box, dst_shape: S
         offsets from each tensor's start, in row-major order of the box) and the bytes
         of every run.
     """
-    sd, dd = squeeze_dims(src_box), squeeze_dims(dst_box)
-    sizes = [src_box[d][1] for d in sd]
-    if sizes != [dst_box[d][1] for d in dd]:
-        raise ValueError(f"boxes {src_box} and {dst_box} do not hold the same elements")
-    s_all, d_all = contiguous_strides(src_shape), contiguous_strides(dst_shape)
-    s_str, d_str = [s_all[d] for d in sd], [d_all[d] for d in dd]
-    s0, d0 = _offset(src_box, s_all), _offset(dst_box, d_all)
-    run, k = 1, len(sizes) - 1
-    while k >= 0 and s_str[k] == run and d_str[k] == run:
-        run *= sizes[k]
-        k -= 1
-    outer = sizes[:k + 1]
+    s0, d0, outer, s_str, d_str, run = _run_grid(src_box, src_shape, dst_box, dst_shape)
     if not outer:
         return (np.array([s0 * itemsize], dtype=np.int64),
                 np.array([d0 * itemsize], dtype=np.int64), run * itemsize)
     grids = np.indices(outer, dtype=np.int64).reshape(len(outer), -1)
-    src = s0 + (grids * np.array(s_str[:k + 1], dtype=np.int64)[:, None]).sum(axis=0)
-    dst = d0 + (grids * np.array(d_str[:k + 1], dtype=np.int64)[:, None]).sum(axis=0)
+    src = s0 + (grids * np.array(s_str, dtype=np.int64)[:, None]).sum(axis=0)
+    dst = d0 + (grids * np.array(d_str, dtype=np.int64)[:, None]).sum(axis=0)
     return src * itemsize, dst * itemsize, run * itemsize
+
+
+def pitched_runs(src_box: Box, src_shape: Sequence[int], dst_box: Box,
+                 dst_shape: Sequence[int], itemsize: int
+                 ) -> tuple[int, int, int, int, int, int] | None:
+    """A box copy whose runs lie equally spaced on both sides (the rows of a column
+    slice), in bytes: ``(src offset, dst offset, src pitch, dst pitch, run, rows)``; None
+    for a copy of one run or of runs that are not equally spaced. What :func:`pair_runs` gives as
+    arrays, without making them."""
+    s0, d0, outer, s_str, d_str, run = _run_grid(src_box, src_shape, dst_box, dst_shape)
+    while (len(outer) > 1 and s_str[-2] == s_str[-1] * outer[-1]
+           and d_str[-2] == d_str[-1] * outer[-1]):  # nested evenly on both sides: one
+        outer = outer[:-2] + [outer[-2] * outer[-1]]
+        s_str, d_str = s_str[:-2] + [s_str[-1]], d_str[:-2] + [d_str[-1]]
+    if len(outer) != 1:
+        return None
+    return (s0 * itemsize, d0 * itemsize, s_str[0] * itemsize, d_str[0] * itemsize,
+            run * itemsize, outer[0])
 
 
 def covering_span(src_box: Box, src_shape: Sequence[int], itemsize: int) -> tuple[int, int]:

@@ -36,6 +36,37 @@ def test_runs_reproduce_a_strided_box_copy_exactly() -> None:
     assert run == 12 * 4 and len(s_off) == 20
 
 
+def test_pitched_runs_are_the_runs_when_they_lie_equally_spaced_and_none_otherwise() -> None:
+    from modelexpress.layout.spans import pitched_runs
+
+    rng = np.random.default_rng(5)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        shape = tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(1, 4))))
+        box = []
+        for n in shape:
+            start = int(rng.integers(0, n))
+            box.append((start, int(rng.integers(1, n - start + 1))))
+        box = tuple(box)
+        dst_shape = tuple(n + int(rng.integers(0, 3)) for _, n in box)
+        dst_box = tuple((int(rng.integers(0, d - n + 1)), n) for (_, n), d in zip(box, dst_shape))
+        s_off, d_off, run = pair_runs(box, shape, dst_box, dst_shape, 4)
+        got = pitched_runs(box, shape, dst_box, dst_shape, 4)
+        even = (len(s_off) > 1 and len(set(np.diff(s_off).tolist())) == 1
+                and len(set(np.diff(d_off).tolist())) == 1)
+        assert (got is not None) == even, (box, shape, dst_box, dst_shape)
+        seen[even] += 1
+        if got is not None:
+            s0, d0, s_pitch, d_pitch, n_run, rows = got
+            assert n_run == run and rows == len(s_off)
+            assert s_off.tolist() == [s0 + i * s_pitch for i in range(rows)]
+            assert d_off.tolist() == [d0 + i * d_pitch for i in range(rows)]
+    assert min(seen.values()) > 20  # both kinds were tried
+    # a column half of a row-parallel weight: its rows, one pitch each side
+    assert pitched_runs(((0, 4), (2, 2)), (4, 4), ((0, 4), (0, 2)), (4, 2), 2) == \
+        (4, 0, 8, 4, 4, 4)
+
+
 def test_coalescing_merges_runs_adjacent_on_both_sides_only() -> None:
     s, d, n = coalesce_runs(np.array([0, 8, 16, 40]), np.array([100, 108, 200, 208]),
                             np.array([8, 8, 8, 8]))
