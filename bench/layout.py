@@ -258,6 +258,7 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     """``--synthetic DEVICE``: the module docstring's comparison on hand-written layouts."""
     os.environ["LAYOUT_SYNTHETIC_DIMS"] = args.dims  # before the import: they size them
     os.environ["LAYOUT_SYNTHETIC_LAYERS"] = str(args.layers)
+    os.environ["LAYOUT_SYNTHETIC_SEED_DEVICE"] = args.synthetic  # the sources' too
     import torch
     import synthetic_layout as syn
     from layout_world import layout_sources

@@ -22,6 +22,7 @@
 #                  the benchmarks of those names (bench/*.py --gpu ...)
 #   layout         bench/layout.py --synthetic cuda:0 (pulls across layouts into the GPU;
 #                  LAYOUT_ARGS replaces its --rounds 5)
+#   layout-tests   the gpu-marked tests of tests/p2p/test_layout_devices.py alone
 #   cluster        bench/cluster.py on this host's cores (needs ip and tc: copy
 #                  .netns-tools, built by scripts/build_netns_carry.sh)
 #   shm-ab         the vLLM MessageQueue A/B (copy .vllm-gpu, scripts/pack_vllm_gpu.sh)
@@ -141,6 +142,10 @@ PY
       # pytest: tests/local's conftest clashes with tests/p2p's in one invocation
       python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/local 2>&1 \
         | tee "$OUT/pytest_gpu_local.log" | tail -25
+      ;;
+    layout-tests)  # the pulls across layouts into GPU memory and the layout units alone
+      python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/p2p/test_layout_devices.py \
+        2>&1 | tee "$OUT/pytest_gpu_layout.log" | tail -20
       ;;
     transfer)
       python3 bench/transfer.py --gpu --repeat 3 2>&1 | tee "$OUT/bench_transfer_gpu.log" | tail -25

@@ -84,17 +84,20 @@ def identity(tp: int, rank: int, dtype: str = "float32") -> ModelIdentity:
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):
-    """The checkpoint's tensors, on the CPU (the same bytes in every process), each made
-    from a seed of its own when it is looked up: at the bench's sizes (``--layers``)
-    the whole checkpoint is not held anywhere at once."""
+    """The checkpoint's tensors (the same bytes in every process), each made from a seed
+    of its own when it is looked up: at the bench's sizes (``--layers``) the whole
+    checkpoint is not held anywhere at once. Made on the CPU, or on the device
+    ``LAYOUT_SYNTHETIC_SEED_DEVICE`` names (``bench/layout.py`` on a GPU: seconds where
+    the CPU takes minutes; other bytes than the CPU's, the same in every process)."""
 
     def __init__(self, dtype: str = "float32") -> None:
         self._dtype = getattr(torch, dtype)
         self._seeds = {name: 1234 + i for i, name in enumerate(SHAPES)}
+        self._device = torch.device(os.environ.get("LAYOUT_SYNTHETIC_SEED_DEVICE", "cpu"))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self._seeds[name])
-        return torch.randn(SHAPES[name], generator=gen).to(self._dtype)
+        gen = torch.Generator(self._device).manual_seed(self._seeds[name])
+        return torch.randn(SHAPES[name], generator=gen, device=self._device).to(self._dtype)
 
     def __iter__(self) -> Iterator[str]:
         return iter(SHAPES)
