@@ -29,6 +29,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 
+from modelexpress._gc import paused as gc_paused
 from modelexpress.errors import CoverageError
 from modelexpress.layout.model import (BlockTable, Box, Fill, Layout, LayoutError, Piece,
                                        block_boxes, box_contains, box_intersect, box_volume,
@@ -175,6 +176,11 @@ def plan_layout(target: Layout, sources: Sequence[tuple[str, Layout]]) -> Layout
         LayoutError: no source publishes block digests, or the target's tensors
             disagree with the sources' (dtype).
     """
+    with gc_paused():  # tens of thousands of small objects, no cycles (modelexpress._gc)
+        return _plan(target, sources)
+
+
+def _plan(target: Layout, sources: Sequence[tuple[str, Layout]]) -> LayoutPlan:
     usable = _usable(target, sources)
     if not usable:
         raise CoverageError("no candidate source publishes a layout with block digests "

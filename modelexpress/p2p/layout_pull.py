@@ -258,10 +258,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
             while True:
                 t_plan = time.perf_counter()
                 try:
-                    with gc_paused():
-                        plan = plan_layout(target, [(c.info.id, c.layout)
-                                                    for c in candidates.fetched
-                                                    if c.info.id not in dropped])
+                    plan = plan_layout(target, [(c.info.id, c.layout) for c in candidates.fetched
+                                                if c.info.id not in dropped])
                     break
                 except LayoutError as exc:
                     no_plan = exc
