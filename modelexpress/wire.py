@@ -69,7 +69,7 @@ VERDICTS = ("ok", "slow", "unknown")
 API_HEADER = "X-MX-API-Version"
 """The header that carries a request's (client's) or a response's (server's) API version."""
 
-API_VERSION = 5
+API_VERSION = 6
 """The control-plane API version this release speaks."""
 
 MIN_API_VERSION = 1
@@ -89,6 +89,9 @@ API_VERSIONS: dict[int, str] = {
     5: "a source publishes the layout of its loaded form (layout on PUT /v1/sources, "
        "returned by GET /v1/sources/{id}); POST /v1/transfers with layouts=any and the "
        "target's identity ranks sources of other parallel layouts too",
+    6: "a SUCCEEDED finish with bytes_done also sets the record's bytes_total to it and "
+       "its rate_bps to the outcome's: a pull's last progress report is folded into its "
+       "finish (one request fewer a pull)",
 }
 """What each API version added (the upgrade notes a version mismatch points at)."""
 

@@ -508,6 +508,9 @@ class ControlPlane:
         (so a client may retry a finish whose reply was lost).
 
         Args:
+            bytes_done: the final byte count; with SUCCEEDED also the record's
+                ``bytes_total`` (and the outcome's ``rate_bps`` its rate), what a last
+                progress report set before API version 6.
             outcome: how it went (``modelexpress.wire.TransferOutcome`` as a dict);
                 stored on the record and passed to ``on_finish`` (the metrics).
 
@@ -524,10 +527,16 @@ class ControlPlane:
             if not moved:
                 return t
             check_transfer_move(transfer_id, old, state)
+            last = {}
+            if state is _T.SUCCEEDED and bytes_done is not None:
+                # what a pull's last progress report said (API version 6 folds it in here)
+                last = {"bytes_total": bytes_done}
+                if outcome is not None and outcome.get("rate_bps") is not None:
+                    last["rate_bps"] = outcome["rate_bps"]
             return {**t, "state": state.value, "updated_at": now, "finished_at": now,
                     "error": error if state is not _T.SUCCEEDED else None,
                     "bytes_done": t["bytes_done"] if bytes_done is None else bytes_done,
-                    "outcome": outcome}
+                    "outcome": outcome, **last}
 
         rec = self._move(transfer_id, end)
         if moved:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from modelexpress.layout.model import (FORMAT, VERSION, BlockTable, Box, CheckpointTensor,
                                        Fill, Layout, LayoutError, Piece, block_box,
-                                       block_boxes, block_count, blocks_in, box_contains, box_intersect,
-                                       box_volume, grid_units, squeeze_dims, translate)
+                                       block_boxes, block_count, blocks_in, box_contains,
+                                       box_intersect, box_volume, grid_units, squeeze_dims,
+                                       translate)
 from modelexpress.layout.plan import (ITEMSIZE, Check, Copy, CoverageError, LayoutPlan,
                                       Scatter, Scratch, plan_layout)
 

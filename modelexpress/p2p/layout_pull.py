@@ -310,9 +310,9 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
             result = _result(plan, results, by_id, skipped, record.id, data_s, verify_s,
                              close_wait_s, control_s, plan_s, t_start, PullResult)
             t_final = time.perf_counter()
-            tracker.report(result.bytes, result.bytes, force=True, rate_bps=result.gbps * 1e9)
-            tracker.finish("SUCCEEDED", done=result.bytes, outcome=outcome_of(result))
-            # the last two round trips are control plane, as in a same-layout pull
+            tracker.succeed(result.bytes, rate_bps=result.gbps * 1e9,
+                            outcome=outcome_of(result))
+            # the last round trips are control plane, as in a same-layout pull
             result = dataclasses.replace(
                 result, total_seconds=time.perf_counter() - t_start,
                 phases={**result.phases, "control_plane": round(

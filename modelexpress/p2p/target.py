@@ -163,10 +163,10 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         nixl.close()  # disconnect, deregister, drop the agent: part of this pull
         out = _result(results, puller, sources, clock, tracker, agent_s)
         with clock.phase("control_plane"):
-            if tracker is not None:
+            if own_record is not None:  # the last report and the finish (one request)
+                own_record.succeed(out.bytes, rate_bps=out.gbps * 1e9, outcome=outcome_of(out))
+            elif tracker is not None:  # the caller's record: it finishes it
                 tracker.report(out.bytes, out.bytes, force=True, rate_bps=out.gbps * 1e9)
-            if own_record is not None:
-                own_record.finish("SUCCEEDED", done=out.bytes, outcome=outcome_of(out))
         # ORDER: after SUCCEEDED (a reader takes it as "holds it all"), before returning
         # (the caller may change the destination: relay_pull's docstring).
         for r in held:

@@ -96,6 +96,17 @@ class TransferTracker:
                      "the next chunk", self.id)
             self.stop_requested.set()
 
+    def succeed(self, done: int, *, rate_bps: float, outcome: dict[str, Any]) -> str:
+        """End a pull that moved ``done`` bytes: one request, the finish, which sets the
+        record's totals and rate (API version 6); the last progress report first where
+        the server is older, or where the record does not name the source read last
+        (only a report names it). Returns what :meth:`finish` returns."""
+        with self._lock:
+            moved = self.reading not in (None, self._named)
+        if moved or (getattr(self.client, "server_api_version", None) or 1) < 6:
+            self.report(done, done, force=True, rate_bps=rate_bps)
+        return self.finish("SUCCEEDED", done=done, outcome=outcome)
+
     def finish(self, state: str, *, error: str | None = None, done: int | None = None,
                outcome: dict[str, Any] | None = None) -> str:
         """End the record; returns the state it ended in (what the server recorded).

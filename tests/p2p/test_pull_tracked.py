@@ -39,8 +39,17 @@ def _record_of(cluster: Cluster, worker: str, deadline_s: float = 60.0):  # noqa
         target_worker=worker)), None), f"the transfer record of {worker}", deadline_s)
 
 
-def test_a_library_pull_is_recorded_from_start_to_finish(cluster: Cluster, reference) -> None:
+def test_a_library_pull_is_recorded_from_start_to_finish(cluster: Cluster, reference,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     _, published = cluster.source()
+    reports: list[tuple[int, int]] = []
+    real_report = cluster.client.report_progress
+
+    def report_progress(transfer_id, done, total, *args, **kwargs):  # noqa: ANN001, ANN202
+        reports.append((done, total))
+        return real_report(transfer_id, done, total, *args, **kwargs)
+
+    monkeypatch.setattr(cluster.client, "report_progress", report_progress)
     result = pull(IDENTITY, _empty_like(reference), client=cluster.client,
                   options=PullOptions(timeout_s=120, worker_id="lib-pull-1"))
     assert result.transfer_id is not None
@@ -50,6 +59,10 @@ def test_a_library_pull_is_recorded_from_start_to_finish(cluster: Cluster, refer
     assert record.source_id == published["source_id"] == result.source_ids[0]
     assert record.candidates == (published["source_id"],)
     assert record.bytes_done == record.bytes_total == result.bytes > 0
+    # one progress report, RUNNING with the total before any byte moved; the finish
+    # carried the last one's totals and rate (API version 6)
+    assert reports == [(0, result.bytes)]
+    assert record.rate_bps == pytest.approx(result.gbps * 1e9)
     # the outcome the server exports: the transport (one host: the local transport,
     # observed by our own copies), the verdict, both times
     assert record.outcome is not None

@@ -231,6 +231,9 @@ def test_a_whole_pull_through_the_old_server(old_server: OldServer) -> None:
         record = c.get_transfer(result.transfer_id)
         assert record.state == "SUCCEEDED" and record.outcome is not None
         assert record.outcome.transport == result.transport
+        # the old server's finish sets no totals or rate: the last progress report did
+        assert record.bytes_done == record.bytes_total == result.bytes
+        assert record.rate_bps == pytest.approx(result.gbps * 1e9)
     assert got.keys() == tensors.keys()
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
 

@@ -74,6 +74,26 @@ def test_finish_with_outcome_is_stored_returned_and_exported(client: MxClient) -
     assert _sample(before, "mx_transfers_finished_total", transport=transport) == 0
 
 
+def test_a_succeeded_finish_sets_the_totals_and_rate_a_last_report_would_have(
+        client: MxClient) -> None:
+    """API version 6: a pull sends no last progress report; its finish says it."""
+    ok = _running_transfer(client, _uid("folded"))  # reported 100 of 1000
+    record = client.finish_transfer(ok, "SUCCEEDED", bytes_done=4096,
+                                    outcome={"transport": "cma", "rate_bps": 3e9})
+    assert (record.bytes_done, record.bytes_total, record.rate_bps) == (4096, 4096, 3e9)
+    assert client.get_transfer(ok).bytes_total == 4096
+    # a failure keeps what the last report said: its total was not reached
+    failed = _running_transfer(client, _uid("failed"))
+    client.report_progress(failed, 300, 1000, rate_bps=1e8)
+    record = client.finish_transfer(failed, "FAILED", error="boom", bytes_done=300,
+                                    outcome={"transport": "cma", "rate_bps": 9e9})
+    assert (record.bytes_done, record.bytes_total, record.rate_bps) == (300, 1000, 1e8)
+    # a finish without a byte count changes neither
+    bare = _running_transfer(client, _uid("bare-ok"))
+    record = client.finish_transfer(bare, "SUCCEEDED")
+    assert (record.bytes_done, record.bytes_total) == (100, 1000)
+
+
 def test_a_slow_failed_transfer_counts_its_verdict_and_a_bare_finish_counts_unknown(
         client: MxClient) -> None:
     before = client.metrics_text()
