@@ -499,8 +499,8 @@ class MxClient(ClosedOnCollect):
     def finish_transfer(self, transfer_id: str,
                         state: Literal["SUCCEEDED", "FAILED", "STOPPED"], *,
                         error: str | None = None, bytes_done: int | None = None,
-                        outcome: dict[str, Any] | TransferOutcome | None = None
-                        ) -> TransferInfo:
+                        outcome: dict[str, Any] | TransferOutcome | None = None,
+                        source_id: str | None = None) -> TransferInfo:
         """The worker's final report.
 
         Args:
@@ -514,6 +514,9 @@ class MxClient(ClosedOnCollect):
                 An outcome this client cannot send (an unknown key, a value out of
                 range) is left out with a WARNING that says why: the finish itself,
                 the transfer's final state, is never lost to its metrics.
+            source_id: with SUCCEEDED, the source read last when the record names
+                another (API version 6; left out for an older server, where a progress
+                report moves it).
 
         Raises:
             ConflictError: illegal, e.g. SUCCEEDED after a stop was asked (the stop
@@ -525,8 +528,12 @@ class MxClient(ClosedOnCollect):
                 body["outcome"] = _outcome_json(outcome)
             except ValidationError as exc:
                 log.warning("transfer %s: finishing without its outcome: %s", transfer_id, exc)
+        if source_id is None:
+            return _reply(TransferInfo, self._request(
+                "POST", f"/v1/transfers/{transfer_id}/finish", json=body))
         return _reply(TransferInfo, self._request(
-            "POST", f"/v1/transfers/{transfer_id}/finish", json=body))
+            "POST", f"/v1/transfers/{transfer_id}/finish",
+            json=lambda version: {**body, "source_id": source_id} if version >= 6 else body))
 
     def stop_transfer(self, transfer_id: str) -> TransferInfo:
         """Ask a transfer to stop (STOPPING; STOPPED at once if no agent claimed it).

@@ -90,8 +90,8 @@ API_VERSIONS: dict[int, str] = {
        "returned by GET /v1/sources/{id}); POST /v1/transfers with layouts=any and the "
        "target's identity ranks sources of other parallel layouts too",
     6: "a SUCCEEDED finish with bytes_done also sets the record's bytes_total to it and "
-       "its rate_bps to the outcome's: a pull's last progress report is folded into its "
-       "finish (one request fewer a pull)",
+       "its rate_bps to the outcome's, and may name the source read last (source_id): a "
+       "pull's last progress report is folded into its finish (one request fewer a pull)",
 }
 """What each API version added (the upgrade notes a version mismatch points at)."""
 

@@ -471,7 +471,7 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
         """Final state from the worker. STOPPED only after a stop was asked."""
         outcome = dataclasses.asdict(body.outcome) if body.outcome is not None else None
         return cp.finish(transfer_id, TransferState(body.state), body.error, body.bytes_done,
-                         outcome)
+                         outcome, source_id=body.source_id)
 
     @app.post("/v1/artifacts/outcomes", status_code=204, tags=["artifacts"])
     def artifact_outcome(body: ArtifactOutcomeIn) -> Response:

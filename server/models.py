@@ -193,6 +193,10 @@ class FinishIn(_Model):
     outcome: TransferOutcomeIn | None = Field(
         None, description="How the transfer went (transport UCX used, rate, verdict, "
                           "seconds); the server stores it and exports it in /metrics.")
+    source_id: EntityId | None = Field(
+        None, description="API version 6: with SUCCEEDED, the source read last, when the "
+                          "record names another (as a progress report's source_id); an "
+                          "unknown source leaves the record's as it was.")
 
 
 class ArtifactOutcomeIn(_Model):

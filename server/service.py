@@ -503,7 +503,8 @@ class ControlPlane:
         return self._move(transfer_id, step)
 
     def finish(self, transfer_id: str, state: TransferState, error: str | None,
-               bytes_done: int | None, outcome: dict[str, Any] | None = None) -> Record:
+               bytes_done: int | None, outcome: dict[str, Any] | None = None, *,
+               source_id: str | None = None) -> Record:
         """The worker's final report. Repeating the same final state is a no-op
         (so a client may retry a finish whose reply was lost).
 
@@ -513,12 +514,22 @@ class ControlPlane:
                 progress report set before API version 6.
             outcome: how it went (``modelexpress.wire.TransferOutcome`` as a dict);
                 stored on the record and passed to ``on_finish`` (the metrics).
+            source_id: with SUCCEEDED, the source read last, named on the record as a
+                progress report names it; a source no longer known is left out (the
+                transfer is over either way).
 
         Raises:
             ConflictError: illegal move, e.g. SUCCEEDED after a stop was asked.
         """
         now = self.clock()
         moved = False
+        src = None
+        if source_id is not None and state is _T.SUCCEEDED:
+            try:
+                src = self.get_source(source_id)
+            except NotFoundError:
+                log.info("transfer %s finished from source %s, which is gone: the record "
+                         "keeps the source it names", transfer_id, source_id)
 
         def end(t: Record) -> Record:
             nonlocal moved  # fn may run again after a concurrent write: the last run counts
@@ -533,6 +544,9 @@ class ControlPlane:
                 last = {"bytes_total": bytes_done}
                 if outcome is not None and outcome.get("rate_bps") is not None:
                     last["rate_bps"] = outcome["rate_bps"]
+                if src is not None:
+                    last.update(source_id=src["id"], source_worker=src["worker_id"],
+                                source_endpoint=src["endpoint"])
             return {**t, "state": state.value, "updated_at": now, "finished_at": now,
                     "error": error if state is not _T.SUCCEEDED else None,
                     "bytes_done": t["bytes_done"] if bytes_done is None else bytes_done,

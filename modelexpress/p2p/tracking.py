@@ -98,17 +98,18 @@ class TransferTracker:
 
     def succeed(self, done: int, *, rate_bps: float, outcome: dict[str, Any]) -> str:
         """End a pull that moved ``done`` bytes: one request, the finish, which sets the
-        record's totals and rate (API version 6); the last progress report first where
-        the server is older, or where the record does not name the source read last
-        (only a report names it). Returns what :meth:`finish` returns."""
-        with self._lock:
-            moved = self.reading not in (None, self._named)
-        if moved or (getattr(self.client, "server_api_version", None) or 1) < 6:
+        record's totals and rate and names the source read last (API version 6); where
+        the server is older, the last progress report first. Returns what
+        :meth:`finish` returns."""
+        if (getattr(self.client, "server_api_version", None) or 1) < 6:
             self.report(done, done, force=True, rate_bps=rate_bps)
-        return self.finish("SUCCEEDED", done=done, outcome=outcome)
+            return self.finish("SUCCEEDED", done=done, outcome=outcome)
+        with self._lock:
+            moved = self.reading if self.reading not in (None, self._named) else None
+        return self.finish("SUCCEEDED", done=done, outcome=outcome, source_id=moved)
 
     def finish(self, state: str, *, error: str | None = None, done: int | None = None,
-               outcome: dict[str, Any] | None = None) -> str:
+               outcome: dict[str, Any] | None = None, source_id: str | None = None) -> str:
         """End the record; returns the state it ended in (what the server recorded).
 
         SUCCEEDED refused because a stop was asked after the last chunk (the server
@@ -120,12 +121,14 @@ class TransferTracker:
             error: why it failed.
             done: the final byte count.
             outcome: :func:`outcome_of` the result (the server's metrics read it).
+            source_id: the source read last, when the record names another.
         """
         try:
             if state == "STOPPED" and self.run_by_target and not self.stop_requested.is_set():
                 self.client.stop_transfer(self.id)  # the caller stopped it: say so first
             info = self.client.finish_transfer(self.id, state,  # type: ignore[arg-type]
-                                               error=error, bytes_done=done, outcome=outcome)
+                                               error=error, bytes_done=done, outcome=outcome,
+                                               source_id=source_id)
             final = info.state
         except ConflictError as exc:
             if state != "SUCCEEDED":

@@ -190,22 +190,34 @@ def test_a_tp2_rank_from_the_tp1_source(world: World, local: bool) -> None:
 
 
 def test_the_final_report_and_the_finish_count_as_control_plane(world: World) -> None:
-    """The final progress report and the finish count in the ``control_plane`` phase, as
-    a same-layout pull's do: a finish slowed by 0.3 s shows there, and the phases still
-    add up to the call."""
+    """The finish counts in the ``control_plane`` phase, as a same-layout pull's does: a
+    finish slowed by 0.3 s shows there, and the phases still add up to the call. It is
+    the pull's last request (API version 6): it carries the totals, the rate and the
+    source read last; the one progress report is the first (RUNNING, with the total)."""
     import time
 
     from modelexpress.client import MxClient
+
+    reports: list[tuple[int, int]] = []
 
     class Client(MxClient):
         def finish_transfer(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
             time.sleep(0.3)
             return super().finish_transfer(*args, **kwargs)
 
+        def report_progress(self, transfer_id, done, total, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+            reports.append((done, total))
+            return super().report_progress(transfer_id, done, total, *args, **kwargs)
+
     out = _pull(world, 1, 0, local=True, client_class=Client)
     with world.client() as client:
-        assert client.get_transfer(out.result.transfer_id).state == "SUCCEEDED"
+        record = client.get_transfer(out.result.transfer_id)
+    assert record.state == "SUCCEEDED"
     assert set(out.result.source_ids) == {world.sources["r0"], world.sources["r1"]}
+    assert reports == [(0, out.result.bytes)]
+    assert record.bytes_done == record.bytes_total == out.result.bytes
+    assert record.source_id == out.result.source_ids[-1]  # the source read last
+    assert record.rate_bps == pytest.approx(out.result.gbps * 1e9)
     phases = out.result.phases
     assert phases["control_plane"] >= 0.3, phases
     assert sum(phases.values()) == pytest.approx(out.result.total_seconds, abs=1e-4)

@@ -94,6 +94,20 @@ def test_a_succeeded_finish_sets_the_totals_and_rate_a_last_report_would_have(
     assert (record.bytes_done, record.bytes_total) == (100, 1000)
 
 
+def test_a_succeeded_finish_names_the_source_read_last_and_passes_over_one_gone(
+        client: MxClient) -> None:
+    model = _uid("moved")
+    tid = _running_transfer(client, model)
+    other = client.publish_source(make_identity(model), _uid("src2"), manifest=manifest())
+    record = client.finish_transfer(tid, "SUCCEEDED", bytes_done=1000, source_id=other.id)
+    assert (record.source_id, record.source_worker) == (other.id, other.worker_id)
+    gone = _running_transfer(client, _uid("gone"))
+    named = client.get_transfer(gone).source_id
+    record = client.finish_transfer(gone, "SUCCEEDED", bytes_done=1000,
+                                    source_id="no-such-source:w")
+    assert record.state == "SUCCEEDED" and record.source_id == named
+
+
 def test_a_slow_failed_transfer_counts_its_verdict_and_a_bare_finish_counts_unknown(
         client: MxClient) -> None:
     before = client.metrics_text()
