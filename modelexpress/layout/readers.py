@@ -644,10 +644,10 @@ def block_views(checks: Sequence[Check], buffers: Mapping[str, "torch.Tensor"],
                 continue
             if len(chain) > 1:
                 union = before + ((checks[chain[0]].box[d][0], len(chain) * width),) + after
-                side_by_side = box_view(buffers[where], union).unflatten(
+                together = box_view(buffers[where], union).unflatten(
                     d, (len(chain), width)).movedim(d, 0).contiguous()
                 for j, k in enumerate(chain):
-                    views[k] = side_by_side[j]
+                    views[k] = together[j]
             chain = [i]
     return views
 

@@ -86,9 +86,9 @@ def pitched_runs(src_box: Box, src_shape: Sequence[int], dst_box: Box,
                  dst_shape: Sequence[int], itemsize: int
                  ) -> tuple[int, int, int, int, int, int] | None:
     """A box copy whose runs lie equally spaced on both sides (the rows of a column
-    slice), in bytes: ``(src offset, dst offset, src pitch, dst pitch, run, rows)``; None
-    for a copy of one run or of runs that are not equally spaced. What :func:`pair_runs` gives as
-    arrays, without making them."""
+    slice), in bytes: ``(src offset, dst offset, src pitch, dst pitch, run, rows)``;
+    None for a copy of one run or of runs that are not equally spaced. What
+    :func:`pair_runs` gives as arrays, without making them."""
     s0, d0, outer, s_str, d_str, run = _run_grid(src_box, src_shape, dst_box, dst_shape)
     while (len(outer) > 1 and s_str[-2] == s_str[-1] * outer[-1]
            and d_str[-2] == d_str[-1] * outer[-1]):  # nested evenly on both sides: one

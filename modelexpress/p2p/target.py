@@ -163,7 +163,7 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         nixl.close()  # disconnect, deregister, drop the agent: part of this pull
         out = _result(results, puller, sources, clock, tracker, agent_s)
         with clock.phase("control_plane"):
-            if own_record is not None:  # the last report and the finish (one request)
+            if own_record is not None:  # the finish, with what a last report said
                 own_record.succeed(out.bytes, rate_bps=out.gbps * 1e9, outcome=outcome_of(out))
             elif tracker is not None:  # the caller's record: it finishes it
                 tracker.report(out.bytes, out.bytes, force=True, rate_bps=out.gbps * 1e9)
