@@ -406,7 +406,7 @@ class MxClient(ClosedOnCollect):
                        policy: Literal["random", "spread"] | None = None,
                        run_by_target: bool = False, relay_read: bool = False,
                        relay_serve: bool = False,
-                       across_layouts: bool = False) -> TransferInfo:
+                       across_layouts: bool = False, records: int = 0) -> TransferInfo:
         """Start a transfer of ``identity`` to the agent ``target_worker`` (PENDING).
 
         Not retried after the request may have reached the server (it would start a
@@ -422,6 +422,10 @@ class MxClient(ClosedOnCollect):
                 may read from (its ``relay`` is true; the caller serves it).
             Both need API version 3: left out for an older server, which plans no
             relay (the transfer then reads its candidates as before).
+            records: the reply's ``records`` carry the whole records of the first this
+                many candidates (with ``across_layouts``, of other identities), as
+                :meth:`get_source` returns them (API version 6; an older server returns
+                none: ask for them then).
 
         Raises:
             ConflictError: no READY source (or the named source is not READY).
@@ -437,13 +441,18 @@ class MxClient(ClosedOnCollect):
             if not isinstance(identity, ModelIdentity):
                 raise ValueError("across_layouts needs the target's ModelIdentity")
             relay = {**relay, "layouts": "any", "identity": identity.to_dict()}
+        if records:
+            relay = {**relay, "records": records}
 
         def for_version(version: int) -> dict[str, Any]:
             if across_layouts and version < 5:
                 raise ControlPlaneError(
                     f"the control plane at {self.current_url} speaks API version {version}; "
                     f"pulls across parallel layouts need version 5: upgrade the server")
-            return {**body, **relay} if version >= 3 else body
+            if version < 6:
+                return {**body, **{k: v for k, v in relay.items() if k != "records"}} \
+                    if version >= 3 else body
+            return {**body, **relay}
 
         # Only a body that depends on the version asks the replica's version first
         # (GET /v1/health, once per replica).

@@ -91,7 +91,9 @@ API_VERSIONS: dict[int, str] = {
        "target's identity ranks sources of other parallel layouts too",
     6: "a SUCCEEDED finish with bytes_done also sets the record's bytes_total to it and "
        "its rate_bps to the outcome's, and may name the source read last (source_id): a "
-       "pull's last progress report is folded into its finish (one request fewer a pull)",
+       "pull's last progress report is folded into its finish; POST /v1/transfers with "
+       "records=N returns the whole records of its first N candidates (a pull asks for "
+       "none of them again)",
 }
 """What each API version added (the upgrade notes a version mismatch points at)."""
 
@@ -270,6 +272,10 @@ class TransferInfo(_Parse):
                         "(relay_read) (s:<source id>, t:<transfer id> of a "
                         "target still receiving), its upstream first and a READY source last; "
                         "empty otherwise.")
+    records: tuple[SourceInfo, ...] = Field(
+        (), description="API version 6, in the reply to POST /v1/transfers that asked for "
+                        "them (records=N): the whole records of the first N candidates (with "
+                        "layouts=any, of other identities), in order; empty otherwise.")
 
 
 @dataclass(frozen=True, config=_REPLY)

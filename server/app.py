@@ -439,6 +439,10 @@ def create_app(settings: MxSettings | None = None, *, store: Store | None = None
                                                  if body.layouts == "any" and body.identity
                                                  else None))
         wakeup.notify()
+        if body.records:
+            rec = {**rec, "records": cp.candidate_records(
+                rec["candidates"], body.records,
+                other_than=body.identity_id if body.layouts == "any" else None)}
         return rec
 
     @app.get("/v1/transfers", response_model=list[TransferOut], tags=["transfers"])

@@ -150,6 +150,12 @@ class TransferCreate(_Model):
         None, description="API version 5: the target's identity (its id must be "
                           "identity_id); with layouts=any it names the weights in any "
                           "layout.")
+    records: int = Field(
+        0, ge=0, le=16,
+        description="API version 6: the reply's records carry the whole records (as GET "
+                    "/v1/sources/{id}: manifest, agent metadata, layout) of the first this "
+                    "many candidates, so the target need not ask for them; with "
+                    "layouts=any, of candidates of other identities.")
 
     @model_validator(mode="after")
     def _layouts(self) -> "TransferCreate":

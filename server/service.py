@@ -250,6 +250,23 @@ class ControlPlane:
                    "layout": blob.get("layout")}
         return src
 
+    def candidate_records(self, candidates: Sequence[str], count: int, *,
+                          other_than: str | None = None) -> list[Record]:
+        """The whole records (:meth:`get_source` with its blob) of the first ``count``
+        of ``candidates``, in order: those of another identity than ``other_than``
+        when given. A candidate gone since it was ranked is passed over."""
+        out: list[Record] = []
+        for source_id in candidates:
+            if len(out) >= count:
+                break
+            try:
+                src = self.get_source(source_id, with_blob=True)
+            except NotFoundError:
+                continue
+            if other_than is None or src["identity_id"] != other_than:
+                out.append(src)
+        return out
+
     def list_sources(self, *, model: str | None = None, revision: str | None = None,
                      state: SourceState | None = None, rank: int | None = None,
                      identity_id: str | None = None, worker_id: str | None = None

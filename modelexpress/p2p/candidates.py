@@ -33,7 +33,8 @@ def candidates(client: "MxClient", identity: "ModelIdentity", opts: PullOptions,
                has_record: bool
                ) -> tuple[list[str], TransferTracker | None, "TransferInfo | None"]:
     """Source ids in the server's order and, when the pull tracks itself, its tracker
-    and its record (whose ``relay_path`` is set for ``opts.relay_read``)."""
+    and its record (whose ``relay_path`` is set for ``opts.relay_read``, and whose
+    ``records`` hold the first candidates' whole records: API version 6)."""
     if has_record or not opts.track:
         return [s.id for s in client.rank_sources(identity, policy=opts.policy)], None, None  # type: ignore[arg-type]
     try:
@@ -42,7 +43,9 @@ def candidates(client: "MxClient", identity: "ModelIdentity", opts: PullOptions,
                                        run_by_target=True,
                                        relay_read=opts.relay_read and opts.stripe == 1,
                                        relay_serve=(opts.relay_serve and opts.relay_read
-                                                    and opts.stripe == 1))
+                                                    and opts.stripe == 1),
+                                       # those fetch_sources would ask for next
+                                       records=max(opts.stripe, opts.max_attempts))
     except ConflictError as exc:
         raise NoSourceError(f"no READY source for {identity.model} (identity {identity.id}, "
                             f"rank {identity.rank}): {exc}") from exc

@@ -210,7 +210,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
     worker = opts.worker_id or default_worker_id("pull")
     try:
         record = client.start_transfer(identity, worker, policy=opts.policy,  # type: ignore[arg-type]
-                                       run_by_target=True, across_layouts=True)
+                                       run_by_target=True, across_layouts=True,
+                                       records=1)  # the first is always read
     except ConflictError as exc:
         raise _nothing_to_try(f"no READY source of {identity.model} in any parallel layout "
                               f"(family {identity.family}): {exc}") from exc
@@ -242,7 +243,8 @@ def pull_across_layouts(identity: "ModelIdentity", target: TargetLayout,
                or tracker.stop_requested.is_set())
     try:
         t0 = time.perf_counter()
-        candidates = _Candidates(client, record.candidates, identity, skipped)
+        candidates = _Candidates(client, record.candidates, identity, skipped,
+                                 known=record.records)
         with gc_paused():  # parsing the records: many small objects, no cycles
             candidates.more()
         control_s += time.perf_counter() - t0
@@ -541,13 +543,15 @@ class _Candidates:
     one source of every rank first (``ControlPlane.rank_sources``), so a target in a
     fleet of many replicas fetches one record per rank it reads, not every replica's.
     Those of this very identity are for :func:`~modelexpress.p2p.pull` (tried before
-    this) and are passed over."""
+    this) and are passed over. Records that came with the transfer's record (``known``:
+    API version 6) are not asked for again."""
 
     def __init__(self, client: "MxClient", ids: Sequence[str], identity: "ModelIdentity",
-                 skipped: list) -> None:
+                 skipped: list, known: Sequence["SourceInfo"] = ()) -> None:
         self._client, self._identity, self._skipped = client, identity, skipped
         # this very identity's are left out (the server names sources identity:worker)
         self._ids = [s for s in ids if not s.startswith(f"{identity.id}:")]
+        self._known = {info.id: info for info in known}
         self._next = 0
         self.fetched: list[LayoutSource] = []
         self.by_id: dict[str, LayoutSource] = {}
@@ -572,11 +576,13 @@ class _Candidates:
         from modelexpress.p2p.manifests import manifest_of
         from modelexpress.p2p.result import SkippedSource
 
-        try:
-            info = self._client.get_source(source_id)
-        except MxError as exc:
-            self._skipped.append(SkippedSource(source_id, "?", f"could not fetch it: {exc}"))
-            return None
+        info = self._known.get(source_id)
+        if info is None or info.manifest is None:
+            try:
+                info = self._client.get_source(source_id)
+            except MxError as exc:
+                self._skipped.append(SkippedSource(source_id, "?", f"could not fetch it: {exc}"))
+                return None
         if info.identity_id == self._identity.id:
             return None
         if info.layout is None:

@@ -121,7 +121,9 @@ def pull(identity: "ModelIdentity", dest: Mapping[str, "torch.Tensor"] | None = 
         stop_signal = _stop_signal(stop, tracker)
         skipped: list[SkippedSource] = []
         with clock.phase("control_plane"):
-            sources = fetch_sources(client, ordered, opts, fetched, skipped)
+            sources = fetch_sources(client, ordered, opts,
+                                    (*fetched, *(own_info.records if own_info else ())),
+                                    skipped)
         if not sources:
             raise NoSourceError(no_source_message(identity, skipped))
         # The reader of each source: the caller's, the relay's, the local transport's

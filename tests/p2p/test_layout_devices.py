@@ -225,20 +225,26 @@ def test_the_final_report_and_the_finish_count_as_control_plane(world: World) ->
 
 def test_only_the_records_of_the_sources_a_rank_needs_are_fetched(world: World) -> None:
     """The candidates' records are fetched in the server's order until they hold a whole
-    layout. A TP=2 rank 1 fetches the TP=1 source's record alone (its own identity's
-    source, TP=2 rank 1, is for a same-layout pull; TP=2 rank 0 is not needed). A TP=4
-    rank 1 fetches the TP=1 source's; when that one cannot be opened it is dropped, no
-    plan covers the rank, and the next whole layout's records are fetched: both TP=2
-    ranks, of which rank 0 holds all of TP=4 rank 1."""
+    layout, the first of them with the transfer's record (API version 6). A TP=2 rank 1
+    fetches the TP=1 source's record alone (its own identity's source, TP=2 rank 1, is
+    for a same-layout pull; TP=2 rank 0 is not needed). A TP=4 rank 1 fetches the TP=1
+    source's; when that one cannot be opened it is dropped, no plan covers the rank,
+    and the next whole layout's records are fetched: both TP=2 ranks, of which rank 0
+    holds all of TP=4 rank 1."""
     from modelexpress.client import MxClient
     from modelexpress.errors import PeerError
     from modelexpress.p2p.layout_pull import layout_readers
 
-    fetched: list[str] = []
+    fetched: list[tuple[str, str]] = []  # (how: with the transfer or asked for, source)
 
     class Client(MxClient):
+        def start_transfer(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            record = super().start_transfer(*args, **kwargs)
+            fetched.extend(("with the transfer", r.id) for r in record.records)
+            return record
+
         def get_source(self, source_id: str):  # noqa: ANN201
-            fetched.append(source_id)
+            fetched.append(("asked for", source_id))
             return super().get_source(source_id)
 
     class Refuses:
@@ -262,9 +268,11 @@ def test_only_the_records_of_the_sources_a_rank_needs_are_fetched(world: World) 
 
     ids = world.sources
     out = pull(2, 1)
-    assert fetched == [ids["whole"]] and out.result.source_ids == (ids["whole"],)
+    assert fetched == [("with the transfer", ids["whole"])], fetched
+    assert out.result.source_ids == (ids["whole"],)
     out = pull(4, 1, refused=ids["whole"])
-    assert fetched == [ids["whole"], ids["r0"], ids["r1"]], fetched
+    assert fetched == [("with the transfer", ids["whole"]), ("asked for", ids["r0"]),
+                       ("asked for", ids["r1"])], fetched
     assert out.result.source_ids == (ids["r0"],)
     assert any(s.source_id == ids["whole"] and "refused the connection (test)" in s.reason
                for s in out.result.skipped), out.result.skipped

@@ -50,6 +50,10 @@ def test_a_library_pull_is_recorded_from_start_to_finish(cluster: Cluster, refer
         return real_report(transfer_id, done, total, *args, **kwargs)
 
     monkeypatch.setattr(cluster.client, "report_progress", report_progress)
+    asked: list[str] = []
+    real_get = cluster.client.get_source
+    monkeypatch.setattr(cluster.client, "get_source",
+                        lambda source_id: asked.append(source_id) or real_get(source_id))
     result = pull(IDENTITY, _empty_like(reference), client=cluster.client,
                   options=PullOptions(timeout_s=120, worker_id="lib-pull-1"))
     assert result.transfer_id is not None
@@ -63,6 +67,7 @@ def test_a_library_pull_is_recorded_from_start_to_finish(cluster: Cluster, refer
     # carried the last one's totals and rate (API version 6)
     assert reports == [(0, result.bytes)]
     assert record.rate_bps == pytest.approx(result.gbps * 1e9)
+    assert asked == []  # the source's record came with the transfer's (API version 6)
     # the outcome the server exports: the transport (one host: the local transport,
     # observed by our own copies), the verdict, both times
     assert record.outcome is not None

@@ -56,6 +56,30 @@ def test_candidates_across_layouts_come_a_whole_layout_at_a_time(client) -> None
     assert record.source_id == tp1.id
 
 
+def test_the_first_candidates_records_come_with_the_transfer(client) -> None:
+    """records=N (API version 6): the whole records (manifest, layout) of the first N
+    candidates, in order; across layouts, of other identities than the target's own
+    (its own sources come first in the candidates but are for a same-layout pull)."""
+    model = f"layouts-{uuid.uuid4().hex[:8]}"
+    tp1 = _publish(client, model, 1, 0, "w-r-tp1")
+    tp2 = [_publish(client, model, 2, r, f"w-r-tp2-{r}") for r in (0, 1)]
+    own = _publish(client, model, 2, 1, "w-r-own")  # an identity like the target's
+    target = make_identity(model, tp_size=2, rank=1, dtype="bfloat16",
+                           extra=(("vllm", "0.32.0"),))
+    record = client.start_transfer(target, "w-r-target", run_by_target=True,
+                                   across_layouts=True, records=2)
+    assert record.candidates[0] in (own.id, tp2[1].id)  # the identity's own come first
+    others = [c for c in record.candidates if c not in (own.id, tp2[1].id)]
+    assert [r.id for r in record.records] == others[:2]
+    assert record.records[0].id == tp1.id and record.records[0].layout == LAYOUT
+    assert record.records[0].manifest == client.get_source(tp1.id).manifest
+    # same layout: the first candidates, the target's own identity's
+    same = client.start_transfer(target, "w-r-target2", run_by_target=True, records=5)
+    assert [r.id for r in same.records] == list(same.candidates)
+    assert {r.id for r in same.records} == {own.id, tp2[1].id}
+    assert client.start_transfer(target, "w-r-target3", run_by_target=True).records == ()
+
+
 def test_within_a_layout_one_source_of_every_rank_comes_before_a_second(client) -> None:
     """Three replicas of TP=2 (the third without rank 1): a TP=1 target gets one source
     of each rank, in rank order, then a second of each, then the third rank 0: fetching

@@ -114,3 +114,14 @@ def test_republish_keeps_created_at_and_resets_state(cp: ControlPlane, clock: Cl
     assert second["id"] == first["id"] and second["created_at"] == first["created_at"]
     got = cp.get_source(first["id"], with_blob=True)
     assert (got["state"], got["endpoint"], got["manifest"]) == ("INITIALIZING", "b", {"v": 2})
+
+
+def test_candidate_records_pass_over_a_source_gone_since_the_ranking(cp: ControlPlane) -> None:
+    ids = [cp.publish_source(make_identity("m"), f"w{i}", endpoint="", agent_metadata="",
+                             manifest=manifest(), state=SourceState.READY)["id"]
+           for i in range(3)]
+    cp.delete_source(ids[0])
+    records = cp.candidate_records(ids, 2)
+    assert [r["id"] for r in records] == ids[1:]
+    assert all(r["manifest"] == manifest() for r in records)
+    assert cp.candidate_records(ids, 2, other_than=records[0]["identity_id"]) == []  # all its own
