@@ -51,3 +51,44 @@ def test_tiny_llama_engine_greedy_is_repeatable_and_stop_leaves_nothing(
     assert not pathlib.Path(init.group(1)).exists()
     # and the ZMQ sockets vLLM makes under VLLM_RPC_BASE_PATH (a killed process leaves its own)
     assert not rpc_dir.exists()
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path: pathlib.Path) -> None:
+    """free_port() finds a port free; another process may bind it before the server
+    does (it is in the range the kernel hands out for the local ends of connections).
+    The harness starts the server again on another port, at most twice. A stand-in
+    server (no vLLM) that answers /health and /v1/models as vLLM's does."""
+    import socket
+    import sys
+    import textwrap
+
+    stand_in = tmp_path / "stand_in.py"
+    stand_in.write_text(textwrap.dedent("""
+        import http.server, json, sys
+        port = int(sys.argv[sys.argv.index("--port") + 1])
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = json.dumps({"data": [{"id": "stand-in"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            def log_message(self, *args):
+                pass
+        http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """))
+    engine = Engine(tmp_path, name="stand-in", log_dir=tmp_path)
+    taken = engine.port
+    engine.args = [sys.executable, str(stand_in), "--port", str(taken)]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        engine.start()
+        try:
+            engine.wait_ready(60)
+            assert engine.port != taken and engine.url == f"http://127.0.0.1:{engine.port}"
+            assert "[Errno 98] Address already in use" in engine.log_text()
+            assert f"port {taken} was taken before the server bound it" in engine.log_text()
+        finally:
+            engine.stop()
+    assert engine.pids() == []

@@ -191,8 +191,11 @@ class Engine:
                  tensor_parallel_size: int = 1, enforce_eager: bool = True) -> None:
         self.model_dir = pathlib.Path(model_dir)
         self.name = name
+        self._port_chosen_here = port is None
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self._log_from = 0  # where this start's lines begin in the log
+        self._port_retries = 0
         log_dir = pathlib.Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"vllm-{name}-{self.port}.log"
@@ -251,6 +254,7 @@ class Engine:
             self._rpc_dir = tempfile.mkdtemp(prefix="mx-vllm-rpc-")
             self.env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         with open(self.log_path, "ab") as log:
+            self._log_from = log.tell()
             log.write(f"$ {' '.join(self.args)}\n".encode())
             log.flush()
             self._started_at = time.monotonic()
@@ -278,6 +282,9 @@ class Engine:
             while True:
                 self._remember_tree()
                 if proc.poll() is not None:
+                    if self._lost_its_port():
+                        proc = self._restart_on_another_port()
+                        continue
                     raise RuntimeError(f"engine {self.name} exited with {proc.returncode} "
                                        f"before it was ready\n{self.log_tail()}")
                 try:
@@ -293,6 +300,29 @@ class Engine:
                     raise RuntimeError(f"engine {self.name} on {self.url} not ready after "
                                        f"{timeout:.0f} s\n{self.log_tail()}")
                 time.sleep(_POLL_S)
+
+    def _lost_its_port(self) -> bool:
+        """The server exited because another process took the port :func:`free_port`
+        found free (between the two, any process may bind it, e.g. as the local end of
+        a connection): worth another port, at most twice. A port the caller chose is
+        the caller's to handle."""
+        if not self._port_chosen_here or self._port_retries >= 2:
+            return False
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_from)
+            return b"[Errno 98] Address already in use" in log.read()
+
+    def _restart_on_another_port(self) -> subprocess.Popen[bytes]:
+        self._port_retries += 1
+        old = self.port
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args[self.args.index("--port") + 1] = str(self.port)
+        with open(self.log_path, "ab") as log:
+            log.write(f"# port {old} was taken before the server bound it: port "
+                      f"{self.port}\n".encode())
+        self.process = None
+        return self.start()._require_started()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
         """Signal the server, wait up to ``timeout``, then SIGKILL whatever is left.
