@@ -56,7 +56,7 @@ from modelexpress.errors import (
 from modelexpress.identity import ModelIdentity
 from modelexpress.settings import MxSettings
 from modelexpress.wire import (
-    API_HEADER, API_VERSION, API_VERSIONS, AgentInfo, AssignmentsReply, OriginLease,
+    API_HEADER, API_VERSION, API_VERSIONS, MAX_RECORDS, AgentInfo, AssignmentsReply, OriginLease,
     ProgressReply, SourceInfo, TransferInfo, TransferOutcome, api_version_of,
 )
 
@@ -423,9 +423,9 @@ class MxClient(ClosedOnCollect):
             Both need API version 3: left out for an older server, which plans no
             relay (the transfer then reads its candidates as before).
             records: the reply's ``records`` carry the whole records of the first this
-                many candidates (with ``across_layouts``, of other identities), as
-                :meth:`get_source` returns them (API version 6; an older server returns
-                none: ask for them then).
+                many candidates, at most :data:`~modelexpress.wire.MAX_RECORDS` (with
+                ``across_layouts``, of other identities), as :meth:`get_source` returns
+                them (API version 6; an older server returns none: ask for them then).
 
         Raises:
             ConflictError: no READY source (or the named source is not READY).
@@ -442,7 +442,7 @@ class MxClient(ClosedOnCollect):
                 raise ValueError("across_layouts needs the target's ModelIdentity")
             relay = {**relay, "layouts": "any", "identity": identity.to_dict()}
         if records:
-            relay = {**relay, "records": records}
+            relay = {**relay, "records": min(records, MAX_RECORDS)}
 
         def for_version(version: int) -> dict[str, Any]:
             if across_layouts and version < 5:

@@ -75,6 +75,9 @@ API_VERSION = 6
 MIN_API_VERSION = 1
 """The oldest version of the other side this release still works with."""
 
+MAX_RECORDS = 16
+"""The most candidates' records ``POST /v1/transfers`` returns with a transfer (API 6)."""
+
 API_VERSIONS: dict[int, str] = {
     1: "the API before versions were exchanged (no X-MX-API-Version header; modelexpress "
        "up to commit fb298dc)",

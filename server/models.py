@@ -22,7 +22,7 @@ from pydantic.dataclasses import dataclass
 from modelexpress.identity import ModelIdentity
 from modelexpress.server.states import SourceState, TransferState
 from modelexpress.wire import (
-    AgentInfo, AssignmentsReply, ErrorReply, HealthReply, OriginLease, ProgressReply,
+    MAX_RECORDS, AgentInfo, AssignmentsReply, ErrorReply, HealthReply, OriginLease, ProgressReply,
     SourceDetail, SourceSummary, TransferInfo, TransferOutcome,
 )
 
@@ -151,7 +151,7 @@ class TransferCreate(_Model):
                           "identity_id); with layouts=any it names the weights in any "
                           "layout.")
     records: int = Field(
-        0, ge=0, le=16,
+        0, ge=0, le=MAX_RECORDS,
         description="API version 6: the reply's records carry the whole records (as GET "
                     "/v1/sources/{id}: manifest, agent metadata, layout) of the first this "
                     "many candidates, so the target need not ask for them; with "

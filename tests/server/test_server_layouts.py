@@ -78,6 +78,10 @@ def test_the_first_candidates_records_come_with_the_transfer(client) -> None:
     assert [r.id for r in same.records] == list(same.candidates)
     assert {r.id for r in same.records} == {own.id, tp2[1].id}
     assert client.start_transfer(target, "w-r-target3", run_by_target=True).records == ()
+    # more than the server returns (a pull with MX_MAX_SOURCE_ATTEMPTS=100): at most
+    # MAX_RECORDS are asked for
+    many = client.start_transfer(target, "w-r-target4", run_by_target=True, records=100)
+    assert [r.id for r in many.records] == list(many.candidates)
 
 
 def test_within_a_layout_one_source_of_every_rank_comes_before_a_second(client) -> None:
