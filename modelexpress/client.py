@@ -441,23 +441,21 @@ class MxClient(ClosedOnCollect):
             if not isinstance(identity, ModelIdentity):
                 raise ValueError("across_layouts needs the target's ModelIdentity")
             relay = {**relay, "layouts": "any", "identity": identity.to_dict()}
-        if records:
-            relay = {**relay, "records": min(records, MAX_RECORDS)}
+        wanted = {"records": min(records, MAX_RECORDS)} if records else {}
 
         def for_version(version: int) -> dict[str, Any]:
             if across_layouts and version < 5:
                 raise ControlPlaneError(
                     f"the control plane at {self.current_url} speaks API version {version}; "
                     f"pulls across parallel layouts need version 5: upgrade the server")
-            if version < 6:
-                return {**body, **{k: v for k, v in relay.items() if k != "records"}} \
-                    if version >= 3 else body
-            return {**body, **relay}
+            return {**body, **(relay if version >= 3 else {}),
+                    **(wanted if version >= 6 else {})}
 
         # Only a body that depends on the version asks the replica's version first
         # (GET /v1/health, once per replica).
         return _reply(TransferInfo, self._request(
-            "POST", "/v1/transfers", idempotent=False, json=for_version if relay else body))
+            "POST", "/v1/transfers", idempotent=False,
+            json=for_version if relay or wanted else body))
 
     def rank_sources(self, identity: ModelIdentity | str, *,
                      policy: Literal["random", "spread"] | None = None,

@@ -510,9 +510,7 @@ class ControlPlane:
             old = _T(t["state"])
             new = _T.STOPPING if old is _T.STOPPING else _T.RUNNING
             check_transfer_move(transfer_id, old, new)
-            moved = {} if src is None else {"source_id": src["id"],
-                                            "source_worker": src["worker_id"],
-                                            "source_endpoint": src["endpoint"]}
+            moved = {} if src is None else _naming(src)
             return {**t, "state": new.value, "bytes_done": bytes_done,
                     "bytes_total": bytes_total, "rate_bps": rate_bps, "updated_at": now,
                     "claimed": True, "started_at": t["started_at"] or now, **moved}
@@ -562,8 +560,7 @@ class ControlPlane:
                 if outcome is not None and outcome.get("rate_bps") is not None:
                     last["rate_bps"] = outcome["rate_bps"]
                 if src is not None:
-                    last.update(source_id=src["id"], source_worker=src["worker_id"],
-                                source_endpoint=src["endpoint"])
+                    last.update(_naming(src))
             return {**t, "state": state.value, "updated_at": now, "finished_at": now,
                     "error": error if state is not _T.SUCCEEDED else None,
                     "bytes_done": t["bytes_done"] if bytes_done is None else bytes_done,
@@ -852,3 +849,9 @@ def _mbit(value: Any) -> float:
         return max(float(value), 0.0)
     except (TypeError, ValueError):
         return 0.0
+
+
+def _naming(src: Record) -> Record:
+    """The fields of a transfer record that name the source it reads."""
+    return {"source_id": src["id"], "source_worker": src["worker_id"],
+            "source_endpoint": src["endpoint"]}

@@ -178,27 +178,13 @@ def block_box(index: int, shape: Sequence[int], units: Sequence[int]) -> Box:
 
 def blocks_in(box: Box, shape: Sequence[int], units: Sequence[int]) -> Iterator[int]:
     """Indices of the blocks that ``box`` touches, in row-major order."""
-    counts = block_count(shape, units)
-    ranges = [range(start // u, (start + size - 1) // u + 1) if size > 0 else range(0)
-              for (start, size), u in zip(box, units, strict=True)]
-
-    def walk(d: int, acc: int) -> Iterator[int]:
-        if d == len(ranges):
-            yield acc
-            return
-        for c in ranges[d]:
-            yield from walk(d + 1, acc * counts[d] + c)
-
-    if not box:
-        yield 0
-        return
-    yield from walk(0, 0)
+    return (index for index, _ in block_boxes(box, shape, units))
 
 
 def block_boxes(box: Box, shape: Sequence[int], units: Sequence[int]
                 ) -> Iterator[tuple[int, Box]]:
-    """``(index, block box)`` of the blocks that ``box`` touches, in row-major order:
-    :func:`blocks_in` and :func:`block_box` together, the grid worked out once."""
+    """``(index, block box)`` of the blocks that ``box`` touches, in row-major order
+    (each box as :func:`block_box` gives it; the grid worked out once)."""
     if not box:
         yield 0, ()
         return

@@ -80,7 +80,7 @@ class TransferTracker:
             if not force and now - self._last < self.interval_s:
                 return
             self._last = now
-            moved = self.reading if self.reading not in (None, self._named) else None
+            moved = self._moved()
         if rate_bps is None:
             rate_bps = done / max(now - self._started, 1e-9)
         try:
@@ -105,8 +105,12 @@ class TransferTracker:
             self.report(done, done, force=True, rate_bps=rate_bps)
             return self.finish("SUCCEEDED", done=done, outcome=outcome)
         with self._lock:
-            moved = self.reading if self.reading not in (None, self._named) else None
+            moved = self._moved()
         return self.finish("SUCCEEDED", done=done, outcome=outcome, source_id=moved)
+
+    def _moved(self) -> str | None:
+        """The source read now when the record names another (under ``_lock``)."""
+        return self.reading if self.reading not in (None, self._named) else None
 
     def finish(self, state: str, *, error: str | None = None, done: int | None = None,
                outcome: dict[str, Any] | None = None, source_id: str | None = None) -> str:
