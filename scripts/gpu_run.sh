@@ -23,6 +23,8 @@
 #   layout         bench/layout.py --synthetic cuda:0 (pulls across layouts into the GPU;
 #                  LAYOUT_ARGS replaces its --rounds 5)
 #   layout-tests   the gpu-marked tests of tests/p2p/test_layout_devices.py alone
+#   block-checks   bench/block_checks.py --device cuda:0 (a pull's block checks against
+#                  hashing the same bytes whole; BLOCK_CHECKS_ARGS replaces its defaults)
 #   cluster        bench/cluster.py on this host's cores (needs ip and tc: copy
 #                  .netns-tools, built by scripts/build_netns_carry.sh)
 #   shm-ab         the vLLM MessageQueue A/B (copy .vllm-gpu, scripts/pack_vllm_gpu.sh)
@@ -146,6 +148,10 @@ PY
     layout-tests)  # the pulls across layouts into GPU memory and the layout units alone
       python3 -m pytest -p no:cacheprovider -m gpu -v -rA tests/p2p/test_layout_devices.py \
         2>&1 | tee "$OUT/pytest_gpu_layout.log" | tail -20
+      ;;
+    block-checks)
+      python3 bench/block_checks.py --device cuda:0 ${BLOCK_CHECKS_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_block_checks_gpu.log" | tail -8
       ;;
     transfer)
       python3 bench/transfer.py --gpu --repeat 3 2>&1 | tee "$OUT/bench_transfer_gpu.log" | tail -25

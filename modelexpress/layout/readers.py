@@ -594,14 +594,21 @@ def check_blocks(checks: Sequence[Check], buffers: Mapping[str, "torch.Tensor"],
     """The checks whose block does not hash to its digest (empty: all good).
 
     Blocks are hashed where they lie (:func:`~modelexpress.transfer.digest.digest_many`
-    hashes a strided view in logical order, as the source hashed the checkpoint's block).
+    hashes a strided view in logical order, as the source hashed the checkpoint's block):
+    on a GPU whose digest kernel hashes a column strip in place
+    (:func:`~modelexpress.transfer.digest.strips_hashed_in_place`) the strips are not
+    copied out at all, else see :func:`block_views`.
     """
+    import torch
+
     from modelexpress.transfer import digest as _digest
 
     if not checks:
         return []
+    gpus = {buffers[c.where].device for c in checks} - {torch.device("cpu")}
+    in_place = all(_digest.strips_hashed_in_place(algorithm, d) for d in gpus)
     with gc_paused():
-        views = block_views(checks, buffers)
+        views = block_views(checks, buffers, side_by_side=False if in_place else None)
     got = _digest.digest_many(views, algorithm)
     return [c for c, value in zip(checks, got) if value != c.digest]
 
@@ -611,11 +618,12 @@ def block_views(checks: Sequence[Check], buffers: Mapping[str, "torch.Tensor"],
     """Each check's block where it lies, as a tensor in the block's logical order.
 
     A block that is not contiguous where it lies (a column strip of a row-parallel
-    weight) must be copied to be hashed. On a GPU (``side_by_side`` None: for the
-    tensors on a CUDA device), strips of one tensor side by side along one dimension,
-    of one width, are copied together: one copy that puts the strips one after the
-    other, each then a contiguous slice of it, instead of one copy (a kernel launch and
-    an allocation) per strip. In host memory the strips stay views: the xxh3 digest
+    weight) is copied to be hashed unless the digest hashes it in place (the shipped GPU
+    kernel: :func:`check_blocks` then passes ``side_by_side=False``). Where it is copied
+    on a GPU (``side_by_side`` None: for the tensors on a CUDA device), strips of one
+    tensor side by side along one dimension, of one width, are copied together: one
+    copy that puts the strips one after the other, each then a contiguous slice of it,
+    instead of one copy (a kernel launch and an allocation) per strip. In host memory the strips stay views: the xxh3 digest
     copies a strided block's rows into a reused buffer of one digest block on the
     hashing threads, where one large copy first was slower (a 0.93 GB pull's checks
     waited 62-63 ms against 13-17 ms, 2-core VM: docs/benchmarks.md). The digests are

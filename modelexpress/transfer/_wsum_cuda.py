@@ -14,7 +14,8 @@ compute 7.5), :func:`load` raises and ``digest`` uses the Triton or torch form.
 The only module that calls the driver for digests. It uses ctypes on ``libcuda.so.1``
 (present wherever CUDA runs, unlike cuda-python) with the primary context of each
 device, the one PyTorch uses, so PyTorch's streams and memory work here unchanged.
-A batch is one launch over a table of the tensors (each gets blocks in proportion to
+A batch is one launch over a table of the tensors, contiguous ones and strided ones
+whose rows it reads where they lie (:func:`table`: each gets blocks in proportion to
 its size, up to a full grid); every block adds its partial (a, b) into its tensor's row
 of one zeroed int64 buffer with 64-bit atomics (exact modulo 2**64 in any order); the
 batch ends with one device-to-host copy of that buffer.
@@ -30,9 +31,11 @@ from typing import TYPE_CHECKING
 from modelexpress.errors import BackendError, ConfigError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
-__all__ = ["IMAGES", "image", "image_of", "is_loaded", "load", "wsum_batch"]
+__all__ = ["IMAGES", "hashable_rows", "image", "image_of", "is_loaded", "load", "rows_of", "table",
+           "wsum_batch"]
 
 _THREADS = 256      # THREADS in _wsum_i32.cu
 _UNROLL = 4         # UNROLL in _wsum_i32.cu: int4 loads in flight per thread
@@ -166,13 +169,78 @@ class _current:
         self.lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
 
 
-def wsum_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """``(a, b)`` (unsigned 64-bit) of each tensor's bytes, in one launch.
+_MAX_ROW_WORDS = (1 << 31) - 1  # the kernel's rows form counts words in 32 bits
+_MAX_ROWS = (1 << 32) - 1
+
+
+def rows_of(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(rows, row_bytes, pitch_bytes)`` of a tensor that is not contiguous but whose
+    elements, in logical order, are equal runs of contiguous bytes a fixed pitch apart
+    (a column strip of a matrix, a box of a larger tensor): what the kernel hashes in
+    place. None for a contiguous tensor and for any other (it is copied out first).
+    """
+    dims = [(size, stride) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1]
+    run = 1
+    while dims and dims[-1][1] == run:  # the trailing dimensions that are contiguous
+        run *= dims.pop()[0]
+    if not dims or tensor.numel() == 0:
+        return None
+    rows, pitch = dims[-1]
+    if pitch < run:  # rows that overlap or repeat (an expanded tensor)
+        return None
+    for size, stride in reversed(dims[:-1]):
+        if stride != pitch * rows:
+            return None
+        rows *= size
+    item = tensor.element_size()
+    return rows, run * item, pitch * item
+
+
+def table(items: Sequence[tuple[int, int, int, int]], max_blocks: int) -> np.ndarray:
+    """The kernel's table for ``items`` of ``(address, nbytes, row_bytes, pitch_bytes)``
+    (``row_bytes == nbytes``: contiguous bytes; else rows of whole words, 4-byte aligned):
+    a row of ``(address, words, vectors, tail bytes, row words, pitch words)`` per item,
+    then each item's first block and the total (``len(items) + 1`` offsets).
+
+    An item gets a block per full unrolled step of every thread of a block, at least
+    one and at most ``max_blocks`` (a full grid). Bounding a batch's blocks to a few
+    grids in all (blocks of more steps each) was measured and not kept: a pull's block
+    checks at 8B size took the same time, the same bytes hashed whole 4 % longer
+    (one H100, ``bench/block_checks.py``, docs/benchmarks.md).
+    """
+    import numpy as np
+
+    n = len(items)
+    raw = np.array(items, dtype=np.uint64).reshape(n, 4)
+    ptr, nbytes, row_b, pitch_b = raw.T
+    out = np.zeros(6 * n + n + 1, dtype=np.uint64)
+    rows = out[:6 * n].reshape(n, 6)
+    rows[:, 0] = ptr
+    rows[:, 1] = nbytes // 4
+    flat = row_b == nbytes
+    # int4 loads: a 16-byte aligned start, and for rows whole vectors a vector apart
+    vec = (ptr % 16 == 0) & (flat | ((row_b % 16 == 0) & (pitch_b % 16 == 0)))
+    rows[:, 2] = np.where(vec, rows[:, 1] // 4, 0)
+    rows[:, 3] = np.where(flat, nbytes % 4, 0)
+    rows[:, 4] = np.where(flat, rows[:, 1], row_b // 4)
+    rows[:, 5] = np.where(flat, rows[:, 1], pitch_b // 4)
+    loads = rows[:, 2] + (rows[:, 1] - 4 * rows[:, 2])
+    per = np.uint64(_THREADS * _UNROLL)
+    blocks = np.minimum((loads + per - np.uint64(1)) // per, np.uint64(max_blocks))
+    blocks[blocks == 0] = 1
+    blocks[nbytes == 0] = 0
+    np.cumsum(blocks, out=out[6 * n + 1:])
+    return out
+
+
+def wsum_batch(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(a, b)`` (unsigned 64-bit) of each tensor's bytes, in logical order, in one launch.
 
     Args:
-        raws: contiguous uint8 tensors on one CUDA device where :func:`load` succeeded,
-            each starting at a 4-byte aligned address (16-byte aligned ones are read
-            as int4 vectors).
+        tensors: tensors on one CUDA device where :func:`load` succeeded. Read where
+            they lie: contiguous ones at a 4-byte aligned address (16-byte aligned ones
+            as int4 vectors) and rows of whole words (:func:`hashable_rows`); any other
+            is copied out first (on the current stream).
 
     Returns:
         One pair per tensor, in order. Synchronises with the device once (the
@@ -183,35 +251,31 @@ def wsum_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
     """
     import numpy as np
     import torch
-    if not raws:
+    if not tensors:
         return []
-    dev = raws[0].device
+    dev = tensors[0].device
     device = dev.index if dev.index is not None else torch.cuda.current_device()
     k = _kernels[device]
     lib = _driver()
-    n = len(raws)
-    ptr = np.fromiter((r.data_ptr() for r in raws), dtype=np.uint64, count=n)
-    nbytes = np.fromiter((r.numel() for r in raws), dtype=np.uint64, count=n)
-    # One launch for the batch: a table of (address, words, vectors, tail bytes) and
-    # each tensor's first block; the kernel finds its tensor by the block's index.
-    table = np.empty(5 * n + 1, dtype=np.uint64)
-    rows = table[:4 * n].reshape(n, 4)
-    rows[:, 0] = ptr
-    rows[:, 1] = nbytes // 4
-    rows[:, 2] = rows[:, 1] // 4
-    rows[ptr % 16 != 0, 2] = 0
-    rows[:, 3] = nbytes % 4
-    items = rows[:, 2] + (rows[:, 1] - 4 * rows[:, 2])
-    per = np.uint64(_THREADS * _UNROLL)
-    blocks = np.minimum((items + per - np.uint64(1)) // per, np.uint64(k.max_blocks))
-    blocks[blocks == 0] = 1
-    blocks[nbytes == 0] = 0
-    table[4 * n] = 0
-    np.cumsum(blocks, out=table[4 * n + 1:])
-    total = int(table[-1])
+    n = len(tensors)
+    items, copies = [], []
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if t.is_contiguous() and t.data_ptr() % 4 == 0:
+            items.append((t.data_ptr(), nbytes, nbytes, nbytes))
+            continue
+        form = None if t.is_contiguous() else hashable_rows(t)
+        if form is not None:
+            items.append((t.data_ptr(), nbytes, form[1], form[2]))
+            continue
+        # copied out (kept until the launch is done): contiguous bytes, 4-byte aligned
+        copies.append(flat := t.contiguous().view(-1).view(torch.uint8).clone())
+        items.append((flat.data_ptr(), nbytes, nbytes, nbytes))
+    tab = table(items, k.max_blocks)
+    total = int(tab[-1])
     out = torch.zeros((n, 2), dtype=torch.int64, device=dev)
     if total:
-        on_dev = torch.from_numpy(table.view(np.int64)).to(dev)
+        on_dev = torch.from_numpy(tab.view(np.int64)).to(dev)
         stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
         args = (ctypes.c_uint64 * 3)(on_dev.data_ptr(), n, out.data_ptr())
         params = (ctypes.c_void_p * 3)(*(ctypes.addressof(args) + 8 * i for i in range(3)))
@@ -221,3 +285,16 @@ def wsum_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
                    device)
     pairs = out.cpu().numpy().view(np.uint64)
     return [(int(a), int(b)) for a, b in pairs]
+
+
+def hashable_rows(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """:func:`rows_of` where the kernel can hash the rows in place: whole 4-byte words
+    at 4-byte aligned addresses, within the kernel's 32-bit counts; else None."""
+    form = rows_of(tensor)
+    if form is None:
+        return None
+    rows, row_b, pitch_b = form
+    if (row_b % 4 or pitch_b % 4 or tensor.data_ptr() % 4 or row_b // 4 > _MAX_ROW_WORDS
+            or rows > _MAX_ROWS):
+        return None
+    return form

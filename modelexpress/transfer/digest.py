@@ -394,19 +394,21 @@ def _cuda_ready(index: int) -> bool:
         return False
 
 
-def _cuda_batch(raws: list[torch.Tensor]) -> list[tuple[int, int]] | None:
-    """(a, b) of each tensor by the shipped kernel, or None where it cannot run."""
+def _cuda_batch(tensors: list[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """(a, b) of each tensor by the shipped kernel (rows of whole words hashed where
+    they lie: :func:`~modelexpress.transfer._wsum_cuda.wsum_batch`), or None where it
+    cannot run."""
     global _cuda_refused
-    index = _device_index(raws[0].device)
+    index = _device_index(tensors[0].device)
     if index is None or not _cuda_ready(index):
         return None
     from modelexpress.transfer import _wsum_cuda
     try:
-        return _wsum_cuda.wsum_batch(raws)
+        return _wsum_cuda.wsum_batch(tensors)
     except BackendError as exc:
         # A launch or copy-back the driver refused: the same digest from the other forms
         # (the caller falls through to them), and the shipped kernel is not tried again.
-        _cuda_refused = f"it failed on {raws[0].device}: {exc}"
+        _cuda_refused = f"it failed on {tensors[0].device}: {exc}"
         log.warning("%s digests on the GPU: the shipped kernel %s; using the Triton kernel "
                     "once built, the torch form until then", WSUM, _cuda_refused)
         return None
@@ -660,15 +662,15 @@ def _torch_pairs(raws: list[torch.Tensor]) -> list[tuple[int, int]]:
 
 def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
     """Tensors are grouped by device; each group costs one host synchronisation, not
-    one per tensor (the shipped kernel: one launch per group; Triton: one launch per
-    tensor into a shared buffer)."""
-    raws = [_aligned_bytes(t) for t in tensors]
+    one per tensor (the shipped kernel: one launch per group, rows of a strided tensor
+    hashed where they lie; Triton: one launch per tensor into a shared buffer; both of
+    the others hash a strided tensor's bytes copied out)."""
     by_device: dict[object, list[int]] = {}
-    for i, raw in enumerate(raws):
-        by_device.setdefault(raw.device, []).append(i)
-    pairs: list[tuple[int, int]] = [(0, 0)] * len(raws)
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    pairs: list[tuple[int, int]] = [(0, 0)] * len(tensors)
     for device, idx in by_device.items():
-        group = [raws[i] for i in idx]
+        group = [tensors[i] for i in idx]
         got, form = None, "torch"
         on_cuda = getattr(device, "type", "cpu") == "cuda"
         if on_cuda and impl in ("auto", "cuda"):
@@ -678,20 +680,30 @@ def _wsum_many(tensors: Sequence[torch.Tensor], impl: str) -> list[str]:
                                   f"{_cuda_refused}")
         elif impl == "cuda":
             raise ConfigError(f"the shipped {WSUM} kernel is for CUDA tensors; {device} is not")
-        if got is None and on_cuda and impl in ("auto", "triton"):
-            got, form = _triton_batch(group, wait=impl == "triton"), "triton"
         if got is None:
-            if impl == "triton":
-                why = _triton_broken or ("its build did not finish" if on_cuda
-                                         else "not a CUDA tensor")
-                raise ConfigError(f"the Triton {WSUM} kernel cannot run on {device}: {why}")
-            got, form = _torch_pairs(group), "torch"
+            raws = [_aligned_bytes(t) for t in group]
+            if on_cuda and impl in ("auto", "triton"):
+                got, form = _triton_batch(raws, wait=impl == "triton"), "triton"
+            if got is None:
+                if impl == "triton":
+                    why = _triton_broken or ("its build did not finish" if on_cuda
+                                             else "not a CUDA tensor")
+                    raise ConfigError(f"the Triton {WSUM} kernel cannot run on {device}: {why}")
+                got, form = _torch_pairs(raws), "torch"
         with _used_lock:
             _used[form] = _used.get(form, 0) + len(group)
         for i, pair in zip(idx, got):
             pairs[i] = pair
-    return [f"{a & _MASK:016x}{b & _MASK:016x}:{raw.numel()}"
-            for (a, b), raw in zip(pairs, raws)]
+    return [f"{a & _MASK:016x}{b & _MASK:016x}:{t.numel() * t.element_size()}"
+            for (a, b), t in zip(pairs, tensors)]
+
+
+def strips_hashed_in_place(algorithm: str, device: object) -> bool:
+    """Whether a strided block on ``device`` (a column strip of a matrix) is hashed
+    where it lies with ``algorithm`` (the shipped ``wsum-i32-v1`` kernel, loaded here if
+    it was not), not copied out first: a caller need not gather strips to save copies."""
+    index = _device_index(device)
+    return algorithm == WSUM and index is not None and _cuda_ready(index)
 
 
 def warm_up(algorithm: str | None, devices: Iterable[object]) -> None:

@@ -159,3 +159,118 @@ def test_the_shipped_kernel_reads_after_work_queued_on_the_current_stream():
             dst.copy_(src, non_blocking=True)
         torch.cuda.current_stream(dev).wait_stream(side)
         assert digest.digest_many([dst], digest.WSUM, impl="cuda") == want
+
+
+def _strided_cases(dev: torch.device | str) -> list[torch.Tensor]:
+    """Blocks as a pull across layouts checks them where they lie: column strips of
+    float32, bfloat16 and int8 matrices (rows of whole int4 vectors, of whole words only,
+    of odd bytes), strips at 4-, 8- and 12-byte offsets, a box of a 3D tensor whose
+    outer dimensions fold into rows, one that does not fold, and one of a single row."""
+    g = torch.Generator(device="cpu").manual_seed(11)
+
+    def mat(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        raw = torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int64, generator=g)
+        if dtype == torch.int8:
+            return raw.to(torch.int8).to(dev)
+        return raw.to(torch.int32).view(dtype).to(dev)  # bf16: twice the columns
+
+    a = mat((300, 1024), torch.float32)          # rows of 4 KiB
+    b = mat((77, 4096), torch.bfloat16)           # bf16: 2 elements a word
+    c = mat((64, 999), torch.int8)
+    d = mat((6, 40, 96), torch.float32)
+    return [a[:, 0:256], a[:, 4:260], a[:, 1:258], a[:, 3:1021], a[5:299, 512:1024],
+            b[:, 0:2048], b[:, 2:6146], b[:, 1:3], c[:, 8:72], c[:, 1:4],
+            d[:, 10:30, :], d[1:5, :, 16:48], d[2:3, 0:1, 4:68], a[7:8, 3:900]]
+
+
+def test_rows_of_names_equal_runs_a_fixed_pitch_apart_and_nothing_else():
+    t = torch.zeros(8, 16, dtype=torch.float32)
+    assert _wsum_cuda.rows_of(t) is None  # contiguous
+    assert _wsum_cuda.rows_of(t[:, 4:12]) == (8, 32, 64)
+    assert _wsum_cuda.rows_of(t[2:5]) is None  # whole rows: contiguous
+    assert _wsum_cuda.rows_of(t[:, 3]) == (8, 4, 64)  # a column: rows of one element
+    cube = torch.zeros(4, 5, 6, dtype=torch.bfloat16)
+    assert _wsum_cuda.rows_of(cube[:, :, 2:4]) == (20, 4, 12)  # outer dims fold
+    assert _wsum_cuda.rows_of(cube[:, 1:3, :]) == (4, 24, 60)
+    assert _wsum_cuda.rows_of(cube[:, 1:3, 2:4]) is None  # two pitches: copied out
+    assert _wsum_cuda.rows_of(t[:, 4:12].t()) is None  # transposed: not runs in order
+    assert _wsum_cuda.rows_of(torch.zeros(1, 16).expand(8, 16)) is None  # rows repeat
+    assert _wsum_cuda.rows_of(t[:, 4:4]) is None  # no bytes
+    assert _wsum_cuda.hashable_rows(cube[:, :, 2:4]) == (20, 4, 12)
+    assert _wsum_cuda.hashable_rows(cube[:, :, 1:2]) is None  # rows of 2 bytes
+    assert _wsum_cuda.hashable_rows(cube[:, :, 1:3]) is None  # 2-byte aligned start
+
+
+def _emulate(table: object, n: int) -> list[str]:
+    """The digests the kernel computes from its table, read from host memory by the addresses in it
+    (words in logical order: a contiguous item's, or each row's in turn)."""
+    import ctypes
+
+    import numpy as np
+    rows = np.asarray(table)[:6 * n].reshape(n, 6).astype(np.int64)
+    out = []
+    for ptr, words, vec, tail, row, pitch in rows.tolist():
+        if row == words:
+            raw = ctypes.string_at(ptr, 4 * words + tail) if words + tail else b""
+        else:
+            assert tail == 0 and words % row == 0 and vec in (0, words // 4)
+            raw = b"".join(ctypes.string_at(ptr + 4 * pitch * r, 4 * row)
+                           for r in range(words // row))
+        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+            torch.empty(0, dtype=torch.uint8)
+        out.append(digest.digest(t, digest.WSUM))
+    return out
+
+
+def test_the_kernels_table_reads_each_tensors_bytes_in_logical_order():
+    """The table the launch is given, read back on the CPU as the kernel reads it: every
+    tensor's words (a strided one's rows in turn) hash to the digest of its bytes copied
+    out; every tensor with bytes gets 1 to a full grid of blocks, by its loads."""
+    import numpy as np
+    tensors = [t for t in _strided_cases("cpu") if _wsum_cuda.hashable_rows(t) is not None]
+    assert len(tensors) >= 8
+    flat = [torch.arange(n, dtype=torch.uint8) for n in (0, 3, 4, 17, 4096)]
+    mixed = flat + tensors
+    items = []
+    for t in mixed:
+        nbytes = t.numel() * t.element_size()
+        form = _wsum_cuda.hashable_rows(t)
+        items.append((t.data_ptr(), nbytes, nbytes, nbytes) if form is None
+                     else (t.data_ptr(), nbytes, form[1], form[2]))
+    table = _wsum_cuda.table(items, max_blocks=64)
+    got = _emulate(table, len(mixed))
+    assert got == [digest.digest(t.contiguous(), digest.WSUM) for t in mixed]
+    first = table[6 * len(mixed):].astype(np.int64)
+    blocks = np.diff(first)
+    assert first[0] == 0 and blocks[0] == 0  # the empty tensor has none
+    assert (blocks[1:] >= 1).all() and (blocks <= 64).all()
+    # a block per unrolled step of a block's threads (a load: a vector, or a word after
+    # the last vector): a vector short of one step, one; ten steps, ten, in rows of
+    # whole vectors too; a large tensor a full grid
+    step = 16 * _wsum_cuda._THREADS * _wsum_cuda._UNROLL
+    sized = [(1 << 20, n, n, n) for n in (step - 16, 10 * step, 1 << 30)]
+    sized.append((1 << 20, 10 * step, 2 * step, 3 * step))
+    assert np.diff(_wsum_cuda.table(sized, 64)[-5:].astype(np.int64)).tolist() == [1, 10, 64, 10]
+
+
+@pytest.mark.gpu
+def test_the_shipped_kernel_hashes_strided_blocks_where_they_lie_as_copied_out():
+    """Column strips and boxes (rows of whole vectors, of whole words; those it cannot
+    take are copied out first) digest as their bytes copied out, one by one and in one
+    batch with contiguous tensors; check_blocks then copies no strip."""
+    dev = torch.device("cuda:0")
+    digest.warm_up(digest.WSUM, [dev])
+    assert digest.kernel_form(dev) == "cuda", digest._cuda_refused
+    cases = _strided_cases(dev)
+    assert sum(_wsum_cuda.hashable_rows(t) is not None for t in cases) >= 8
+    want = [digest.digest(t.cpu().contiguous(), digest.WSUM) for t in cases]
+    assert digest.digest_many(cases, digest.WSUM, impl="cuda") == want
+    for t, w in zip(cases, want):
+        assert digest.digest_many([t], digest.WSUM, impl="cuda") == [w], (t.shape, t.stride())
+    mixed = _cases(dev) + cases
+    assert digest.digest_many(mixed, digest.WSUM, impl="cuda") == [
+        digest.digest(t.cpu().contiguous(), digest.WSUM) for t in mixed]
+    assert digest.digest_many(cases, digest.WSUM, impl="torch") == want
+    assert digest.strips_hashed_in_place(digest.WSUM, dev)
+    assert not digest.strips_hashed_in_place(digest.XXH3_BLOCKS_1M, dev)
+    assert not digest.strips_hashed_in_place(digest.WSUM, "cpu")
