@@ -1,6 +1,7 @@
 """Real processes for the control-plane tests: a uvicorn server and Debian's redis-server.
 
-Both bind 127.0.0.1 on a free port, log to a file under the test's temp dir, and
+Both bind 127.0.0.1 on a free port (a first start whose port another process took
+meanwhile starts again on another), log to a file under the test's temp dir, and
 are waited for with a deadline; ``kill()`` is SIGKILL (for the restart test),
 ``stop()`` a graceful SIGTERM with a bounded wait.
 """
@@ -22,6 +23,7 @@ __all__ = ["free_port", "ServerProc", "RedisProc", "TOKEN"]
 
 TOKEN = "test-token-7f3a"
 _START_DEADLINE_S = 60.0  # a loaded 2-core machine imports fastapi slowly
+_PORT_TRIES = 3  # a first start whose port another process took since free_port()
 
 
 def free_port() -> int:
@@ -53,8 +55,27 @@ class ServerProc:
         if token:
             self._env["MX_SERVER_TOKEN"] = token
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False
 
     def start(self) -> "ServerProc":
+        """Start and wait until healthy. A first start whose port another process took
+        between :func:`free_port` and the bind (the log says ``[Errno 98]``) starts again
+        on another port, at most twice; a restart keeps its port (callers hold its URL)."""
+        for attempt in range(_PORT_TRIES):
+            try:
+                return self._start_once()
+            except RuntimeError:
+                if self._started or attempt + 1 == _PORT_TRIES or not _port_taken(self.log()):
+                    raise
+            self._move_to(free_port())
+        raise AssertionError("unreachable")
+
+    def _move_to(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = self.log_path.with_name(f"server-{port}.log")
+
+    def _start_once(self) -> "ServerProc":
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "modelexpress.server", "--host", "127.0.0.1",
@@ -66,6 +87,7 @@ class ServerProc:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(f"{self.url}/v1/health", timeout=2.0).status_code == 200:
+                    self._started = True
                     return self
             except httpx.TransportError:
                 pass
@@ -95,6 +117,13 @@ class ServerProc:
             self.kill()
 
 
+def _port_taken(log: str) -> bool:
+    """Whether a server's or Redis's log says its port was in use (the server checks
+    before it binds and says so; uvicorn's bind and Redis say it their way)."""
+    return any(m in log for m in ("is in use (another server?)", "[Errno 98]",
+                                  "Address already in use"))
+
+
 class RedisProc:
     """Debian's ``redis-server`` on a free port in ``workdir``.
 
@@ -110,10 +139,17 @@ class RedisProc:
         self._binary = binary
         self._workdir = workdir
         self._persist = persist
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.log_path = workdir / f"redis-{self.port}.log"
-        self.proc = self._spawn()
+        for attempt in range(_PORT_TRIES):  # as ServerProc.start: the port taken meanwhile
+            self.port = free_port()
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+            self.log_path = workdir / f"redis-{self.port}.log"
+            try:
+                self.proc = self._spawn()
+                break
+            except RuntimeError:
+                log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+                if attempt + 1 == _PORT_TRIES or not _port_taken(log):
+                    raise
 
     def _spawn(self) -> subprocess.Popen:
         durability = (["--appendonly", "yes", "--appendfsync", "always"] if self._persist
