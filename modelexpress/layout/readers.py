@@ -623,11 +623,11 @@ def block_views(checks: Sequence[Check], buffers: Mapping[str, "torch.Tensor"],
     on a GPU (``side_by_side`` None: for the tensors on a CUDA device), strips of one
     tensor side by side along one dimension, of one width, are copied together: one
     copy that puts the strips one after the other, each then a contiguous slice of it,
-    instead of one copy (a kernel launch and an allocation) per strip. In host memory the strips stay views: the xxh3 digest
-    copies a strided block's rows into a reused buffer of one digest block on the
-    hashing threads, where one large copy first was slower (a 0.93 GB pull's checks
-    waited 62-63 ms against 13-17 ms, 2-core VM: docs/benchmarks.md). The digests are
-    the same.
+    instead of one copy (a kernel launch and an allocation) per strip. In host memory
+    the strips stay views: the xxh3 digest copies a strided block's rows into a reused
+    buffer of one digest block on the hashing threads, where one large copy first was
+    slower (a 0.93 GB pull's checks waited 62-63 ms against 13-17 ms, 2-core VM:
+    docs/benchmarks.md). The digests are the same.
     """
     views: list[Any] = [None] * len(checks)
     strips: dict[tuple, list[int]] = {}  # (where, dim, other dims' boxes, width) -> checks
