@@ -1,9 +1,10 @@
 """The shipped ``wsum-i32-v1`` kernel (``_wsum_cuda``, PTX from ``_wsum_i32.cu``).
 
-On CI: the shipped PTX is the one generated from the kernel source, and where no GPU
-is, the driver's refusal sends digests to the other forms (said once). On the GPU
-machine: the kernel equals the definition (the CPU form, pinned to numpy by
-test_wsum_oracle) across its vector, unroll, grid-stride and tail boundaries.
+On CI: the shipped PTX is the one generated from the kernel source, where no GPU is the
+driver's refusal sends digests to the other forms (said once), and the launch's table
+names each tensor's bytes (a strided one's rows) in logical order. On the GPU machine:
+the kernel equals the definition (the CPU form, pinned to numpy by test_wsum_oracle)
+across its vector, unroll, grid-stride and tail boundaries, and on strided blocks.
 """
 
 from __future__ import annotations
@@ -202,8 +203,8 @@ def test_rows_of_names_equal_runs_a_fixed_pitch_apart_and_nothing_else():
 
 
 def _emulate(table: object, n: int) -> list[str]:
-    """The digests the kernel computes from its table, read from host memory by the addresses in it
-    (words in logical order: a contiguous item's, or each row's in turn)."""
+    """The digests the kernel computes from its table, read from host memory at the
+    addresses in it (words in logical order: a contiguous item's, or each row's in turn)."""
     import ctypes
 
     import numpy as np
@@ -257,7 +258,8 @@ def test_the_kernels_table_reads_each_tensors_bytes_in_logical_order():
 def test_the_shipped_kernel_hashes_strided_blocks_where_they_lie_as_copied_out():
     """Column strips and boxes (rows of whole vectors, of whole words; those it cannot
     take are copied out first) digest as their bytes copied out, one by one and in one
-    batch with contiguous tensors; check_blocks then copies no strip."""
+    batch with contiguous tensors; strips_hashed_in_place says so for this GPU (then
+    check_blocks copies no strip out) and for nothing else."""
     dev = torch.device("cuda:0")
     digest.warm_up(digest.WSUM, [dev])
     assert digest.kernel_form(dev) == "cuda", digest._cuda_refused
