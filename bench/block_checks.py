@@ -108,13 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             from modelexpress.transfer import _wsum_cuda
 
             t3 = time.perf_counter()
-            items = []
-            for v in views:
-                n = v.numel() * v.element_size()
-                form = None if v.is_contiguous() else _wsum_cuda.hashable_rows(v)
-                items.append((v.data_ptr(), n, n, n) if form is None
-                             else (v.data_ptr(), n, form[1], form[2]))
-            _wsum_cuda.table(items, 1056)
+            _wsum_cuda.table(_wsum_cuda.items_of(views)[0], 1056)
             out["table_s"] = time.perf_counter() - t3
         return out
 

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["IMAGES", "hashable_rows", "image", "image_of", "is_loaded", "load", "rows_of", "table",
-           "wsum_batch"]
+__all__ = ["IMAGES", "hashable_rows", "image", "image_of", "is_loaded", "items_of", "load",
+           "rows_of", "table", "wsum_batch"]
 
 _THREADS = 256      # THREADS in _wsum_i32.cu
 _UNROLL = 4         # UNROLL in _wsum_i32.cu: int4 loads in flight per thread
@@ -233,6 +233,30 @@ def table(items: Sequence[tuple[int, int, int, int]], max_blocks: int) -> np.nda
     return out
 
 
+def items_of(tensors: Sequence[torch.Tensor]
+             ) -> tuple[list[tuple[int, int, int, int]], list[torch.Tensor]]:
+    """:func:`table`'s items for ``tensors`` (``(address, nbytes, row_bytes,
+    pitch_bytes)``), and the copies made for them: a contiguous tensor at a 4-byte
+    aligned address and rows of whole words (:func:`hashable_rows`) are read where they
+    lie; any other is copied out (contiguous bytes, 4-byte aligned; on the current
+    stream), and the copy must live until the kernel has read it."""
+    import torch
+
+    items, copies = [], []
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if t.is_contiguous() and t.data_ptr() % 4 == 0:
+            items.append((t.data_ptr(), nbytes, nbytes, nbytes))
+            continue
+        form = None if t.is_contiguous() else hashable_rows(t)
+        if form is not None:
+            items.append((t.data_ptr(), nbytes, form[1], form[2]))
+            continue
+        copies.append(flat := t.contiguous().view(-1).view(torch.uint8).clone())
+        items.append((flat.data_ptr(), nbytes, nbytes, nbytes))
+    return items, copies
+
+
 def wsum_batch(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     """``(a, b)`` (unsigned 64-bit) of each tensor's bytes, in logical order, in one launch.
 
@@ -258,19 +282,7 @@ def wsum_batch(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     k = _kernels[device]
     lib = _driver()
     n = len(tensors)
-    items, copies = [], []
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if t.is_contiguous() and t.data_ptr() % 4 == 0:
-            items.append((t.data_ptr(), nbytes, nbytes, nbytes))
-            continue
-        form = None if t.is_contiguous() else hashable_rows(t)
-        if form is not None:
-            items.append((t.data_ptr(), nbytes, form[1], form[2]))
-            continue
-        # copied out (kept until the launch is done): contiguous bytes, 4-byte aligned
-        copies.append(flat := t.contiguous().view(-1).view(torch.uint8).clone())
-        items.append((flat.data_ptr(), nbytes, nbytes, nbytes))
+    items, copies = items_of(tensors)  # copies: kept until the launch is done
     tab = table(items, k.max_blocks)
     total = int(tab[-1])
     out = torch.zeros((n, 2), dtype=torch.int64, device=dev)

@@ -224,20 +224,18 @@ def _emulate(table: object, n: int) -> list[str]:
 
 
 def test_the_kernels_table_reads_each_tensors_bytes_in_logical_order():
-    """The table the launch is given, read back on the CPU as the kernel reads it: every
-    tensor's words (a strided one's rows in turn) hash to the digest of its bytes copied
-    out; every tensor with bytes gets 1 to a full grid of blocks, by its loads."""
+    """The table the launch is given (items_of's items), read back on the CPU as the
+    kernel reads it: every tensor's words (a strided one's rows in turn, a misaligned
+    one's copy) hash to the digest of its bytes copied out; every tensor with bytes
+    gets 1 to a full grid of blocks, by its loads."""
     import numpy as np
     tensors = [t for t in _strided_cases("cpu") if _wsum_cuda.hashable_rows(t) is not None]
     assert len(tensors) >= 8
     flat = [torch.arange(n, dtype=torch.uint8) for n in (0, 3, 4, 17, 4096)]
-    mixed = flat + tensors
-    items = []
-    for t in mixed:
-        nbytes = t.numel() * t.element_size()
-        form = _wsum_cuda.hashable_rows(t)
-        items.append((t.data_ptr(), nbytes, nbytes, nbytes) if form is None
-                     else (t.data_ptr(), nbytes, form[1], form[2]))
+    odd = [torch.arange(40, dtype=torch.uint8)[1:37]]  # misaligned: copied out
+    mixed = flat + tensors + odd
+    items, copies = _wsum_cuda.items_of(mixed)
+    assert len(copies) == 1 and items[-1][0] == copies[0].data_ptr()
     table = _wsum_cuda.table(items, max_blocks=64)
     got = _emulate(table, len(mixed))
     assert got == [digest.digest(t.contiguous(), digest.WSUM) for t in mixed]
